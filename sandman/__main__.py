@@ -1,0 +1,3 @@
+from sandman.cli import main
+
+main()

@@ -1,0 +1,130 @@
+"""Layer 2: the bubblewrap argv, built by one pure function, and the probe that classifies failures.
+
+The root is built up, not hidden down: read-only /usr, /etc and /sys, fresh /proc, /dev, /tmp and
+HOME, the workspace read-write, every namespace unshared, nested user namespaces disabled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+BWRAP = "/usr/bin/bwrap"
+SANDBOX_EXEC = "/usr/lib/sandman/sandbox-exec"
+WORKSPACE = "/workspace"
+HOME = "/home/agent"
+TOOLS_DIR = "/opt/sandman/tools"
+SANDBOX_PATH = f"{TOOLS_DIR}/bin:/usr/local/bin:/usr/bin:/bin"
+
+
+@dataclass(frozen=True)
+class BwrapSpec:
+    """What layer 2 shows the command: the container paths it binds and the environment it sets."""
+
+    command: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str = WORKSPACE
+    workspace: str = WORKSPACE
+    home: str = HOME
+    # Existing container paths bound read-only (tools dir, upcall dir, ...), in order.
+    ro_binds: Sequence[str] = (TOOLS_DIR,)
+
+
+def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment every sandboxed command starts from; nothing is inherited."""
+    env = {"PATH": SANDBOX_PATH, "HOME": HOME, "LANG": "C.UTF-8", "TERM": "xterm-256color"}
+    env.update(extra or {})
+    return env
+
+
+def bwrap_argv(spec: BwrapSpec) -> list[str]:
+    """The complete argv of layer 2 (bwrap, its options, the exec shim, the command)."""
+    argv = [
+        BWRAP,
+        "--unshare-all",
+        # bwrap 0.8 refuses --disable-userns unless the user namespace is asked for explicitly.
+        "--unshare-user",
+        "--disable-userns",
+        "--new-session",
+        "--die-with-parent",
+        "--clearenv",
+        "--ro-bind", "/usr", "/usr",
+        "--symlink", "usr/bin", "/bin",
+        "--symlink", "usr/sbin", "/sbin",
+        "--symlink", "usr/lib", "/lib",
+        "--symlink", "usr/lib64", "/lib64",
+        "--ro-bind", "/etc", "/etc",
+        "--ro-bind", "/sys", "/sys",
+        "--proc", "/proc",
+        "--dev", "/dev",
+        "--tmpfs", "/tmp",
+        "--tmpfs", spec.home,
+        "--bind", spec.workspace, spec.workspace,
+    ]  # fmt: skip
+    for path in spec.ro_binds:
+        argv += ["--ro-bind-try", path, path]
+    argv += ["--chdir", spec.cwd]
+    for key, value in sorted(spec.env.items()):
+        argv += ["--setenv", key, value]
+    argv += ["--", SANDBOX_EXEC, *spec.command]
+    return argv
+
+
+class ProbeFailure(str, Enum):
+    NO_USERNS = "no-userns"
+    PROC_REFUSED = "proc-mount-refused"
+    MOUNT_REFUSED = "mount-refused"
+    BWRAP_MISSING = "bwrap-missing"
+    BWRAP_TOO_OLD = "bwrap-too-old"
+    UNKNOWN = "unknown"
+
+
+_FIXES = {
+    ProbeFailure.NO_USERNS: (
+        "bubblewrap cannot create its user namespace: check that the host allows unprivileged user "
+        "namespaces (sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1, "
+        "kernel.apparmor_restrict_unprivileged_userns=0), that the container does not run as uid 0, "
+        "and that sandman's seccomp profile (policies/seccomp/sandman.json) is in use"
+    ),
+    ProbeFailure.PROC_REFUSED: (
+        "the kernel refused a fresh /proc inside the container: the container's /proc must be "
+        "unmasked (security_opt systempaths=unconfined), which sandman sets; an engine or runtime "
+        "that ignores it (or gVisor without --proc support) cannot run layer 2"
+    ),
+    ProbeFailure.MOUNT_REFUSED: (
+        "mounts inside bubblewrap's namespace were refused: an AppArmor or SELinux profile is "
+        "blocking mount(2); run the container with an AppArmor profile that allows mounts in user "
+        "namespaces (see README, 'Hosts with AppArmor')"
+    ),
+    ProbeFailure.BWRAP_MISSING: "bubblewrap is not in the image: rebuild it with `sandman image build`",
+    ProbeFailure.BWRAP_TOO_OLD: (
+        "the image's bubblewrap is older than 0.8 (no --disable-userns): rebuild on Debian bookworm or newer"
+    ),
+    ProbeFailure.UNKNOWN: "bubblewrap failed for a reason sandman does not recognise; see its message",
+}
+
+
+def classify_probe(exit_code: int, stderr: str) -> ProbeFailure | None:
+    """Map a failed `bwrap ... true` to a cause; None when the probe passed."""
+    if exit_code == 0:
+        return None
+    text = stderr.lower()
+    if "no such file" in text and "bwrap" in text and "execvp" not in text:
+        return ProbeFailure.BWRAP_MISSING
+    if "unrecognized option" in text or "unknown option" in text:
+        return ProbeFailure.BWRAP_TOO_OLD
+    if "proc" in text and ("mount" in text or "can't" in text):
+        return ProbeFailure.PROC_REFUSED
+    if any(
+        s in text
+        for s in ("uid map", "gid map", "new namespace", "user namespace", "max_user_namespaces", "clone")
+    ):
+        return ProbeFailure.NO_USERNS
+    if "mount" in text or "pivot_root" in text or "chroot" in text:
+        return ProbeFailure.MOUNT_REFUSED
+    return ProbeFailure.UNKNOWN
+
+
+def probe_fix(failure: ProbeFailure) -> str:
+    return _FIXES[failure]

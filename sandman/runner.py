@@ -1,0 +1,285 @@
+"""``sandman run``: one command in a fresh two-layer sandbox, streamed live, then torn down.
+
+The container's main process is tini -> bwrap -> the command, so the container lives exactly as
+long as the command; teardown is a forced remove (SIGKILL to every process in it), which is fast
+even when the command ignores SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from sandman import bwrap, resources
+from sandman.engine import ContainerSpec, connect, container_kwargs, engine_retry
+from sandman.errors import SandboxError, UsageError, WorkspaceError
+from sandman.image import ImageManager, Progress, load_campaign
+from sandman.policy import Policy, load_policy
+from sandman.settings import Settings
+from sandman.workspace import Workspace, resolve_workspace
+
+if TYPE_CHECKING:
+    import docker
+
+TINI = "/usr/bin/tini"
+Sink = Callable[[bytes], None]
+
+
+class ExitCause(str, Enum):
+    EXIT = "exit"
+    TIMEOUT = "timeout"
+    OOM = "oom"
+    KILLED = "killed"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    exit_code: int
+    cause: ExitCause
+    duration_s: float
+    session_id: str
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["cause"] = self.cause.value
+        data["duration_s"] = round(self.duration_s, 3)
+        return data
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the controller while a sandbox was running."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def new_session_id() -> str:
+    return "sm-" + secrets.token_hex(6)
+
+
+def _discard(_: bytes) -> None:
+    pass
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM into Interrupted in the main thread so teardown always runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def make_runtime_dir(settings: Settings, session_id: str, ws: Workspace) -> Path:
+    """A private per-session dir (0700, owned by the sandbox uid), bound at /run/sandman."""
+    root = settings.runtime_dir
+    root.mkdir(parents=True, exist_ok=True, mode=0o711)
+    path = root / session_id
+    path.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        os.chown(path, ws.uid, ws.gid)
+    elif os.geteuid() != ws.uid:
+        path.rmdir()
+        raise WorkspaceError(
+            f"workspace {ws.path} belongs to uid {ws.uid} but sandman runs as uid {os.geteuid()}: "
+            "run sandman as the workspace owner (or as root)"
+        )
+    return path
+
+
+class Runner:
+    """Runs commands in one-shot sandboxes on one engine (the library face of ``sandman run``)."""
+
+    def __init__(self, settings: Settings | None = None, progress: Progress = _quiet) -> None:
+        self.settings = settings or Settings.load()
+        self.progress = progress
+        self._api: docker.APIClient | None = None
+
+    @property
+    def api(self) -> docker.APIClient:
+        if self._api is None:
+            self._api = connect(self.settings.docker_base_url(), self.settings.engine_timeout_s)
+        return self._api
+
+    def images(self) -> ImageManager:
+        return ImageManager(self.api, self.settings.base_image, self.settings.offline_base_image)
+
+    def policy(self, path: Path | None) -> Policy:
+        return load_policy(path or self.settings.default_policy)
+
+    def run(
+        self,
+        command: Sequence[str],
+        workspace: str | os.PathLike[str],
+        *,
+        policy: Policy | None = None,
+        campaign: str | None = None,
+        timeout: float | None = None,
+        stdout: Sink = _discard,
+        stderr: Sink = _discard,
+    ) -> RunResult:
+        if not command:
+            raise UsageError("no command given: put it after --, e.g. sandman run --workspace . -- make test")
+        if any("\x00" in arg for arg in command):
+            raise UsageError("the command contains a NUL byte, which no program can receive")
+        ws = resolve_workspace(workspace)
+        policy = policy or self.policy(None)
+        camp = load_campaign(ws.path, campaign)
+        image = self.images().ensure(camp, self.progress)
+        self.ensure_probe(image, ws, policy)
+        if timeout is None:
+            timeout = policy.resources.exec_timeout_s
+        return self._run_container(command, ws, camp.name, image, policy, timeout, stdout, stderr)
+
+    # -- the probe -------------------------------------------------------------------------
+    def ensure_probe(self, image: str, ws: Workspace, policy: Policy) -> None:
+        """Run the real layer-2 argv with ``true`` once per image/profile/engine; fail closed."""
+        profile = resources.seccomp_profile_path().read_bytes()
+        image_id = engine_retry(self.api.inspect_image)(image)["Id"]
+        key = hashlib.sha256(
+            image_id.encode() + profile + self.api.api_version.encode() + policy.runtime.value.encode()
+        ).hexdigest()[:24]
+        marker = self.settings.state_dir / "probes" / key
+        if marker.exists():
+            return
+        err = bytearray()
+        result = self._run_container(["true"], ws, "probe", image, policy, 60.0, _discard, err.extend, kind="probe")
+        if result.exit_code != 0:
+            failure = bwrap.classify_probe(result.exit_code, err.decode(errors="replace"))
+            detail = err.decode(errors="replace").strip().splitlines()
+            raise SandboxError(
+                f"the bubblewrap probe failed ({failure.value if failure else 'unknown'}): "
+                f"{detail[-1] if detail else 'exit ' + str(result.exit_code)}. "
+                f"{bwrap.probe_fix(failure) if failure else ''}"
+            )
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+    # -- one container -----------------------------------------------------------------------
+    def container_spec(
+        self, command: Sequence[str], ws: Workspace, campaign: str, image: str, policy: Policy,
+        session_id: str, runtime_dir: Path,
+    ) -> ContainerSpec:
+        layer2 = bwrap.bwrap_argv(bwrap.BwrapSpec(command=command, env=bwrap.base_env()))
+        return ContainerSpec(
+            image=image,
+            command=[TINI, "--", *layer2],
+            session_id=session_id,
+            campaign=campaign,
+            workspace=str(ws.path),
+            runtime_dir=str(runtime_dir),
+            uid=ws.uid,
+            gid=ws.gid,
+            resources=policy.resources,
+            seccomp_profile=resources.seccomp_profile_path().read_text(),
+            runtime=policy.runtime,
+        )
+
+    def _run_container(
+        self,
+        command: Sequence[str],
+        ws: Workspace,
+        campaign: str,
+        image: str,
+        policy: Policy,
+        timeout: float | None,
+        stdout: Sink,
+        stderr: Sink,
+        kind: str = "sandbox",
+    ) -> RunResult:
+        import docker.errors
+
+        api = self.api
+        session_id = new_session_id()
+        started = time.monotonic()
+        runtime_dir = make_runtime_dir(self.settings, session_id, ws)
+        spec = self.container_spec(command, ws, campaign, image, policy, session_id, runtime_dir)
+        kwargs = container_kwargs(spec)
+        kwargs["labels"]["io.sandman.kind"] = kind
+        container_id: str | None = None
+        timed_out = threading.Event()
+        timer: threading.Timer | None = None
+        cause = ExitCause.EXIT
+        exit_code = 0
+        try:
+            with _signals_raise():
+                try:
+                    container_id = engine_retry(api.create_container)(**kwargs)["Id"]
+                    stream = api.attach(container_id, stdout=True, stderr=True, stream=True, logs=True, demux=True)
+                    engine_retry(api.start)(container_id)
+                except docker.errors.APIError as exc:
+                    raise SandboxError(f"the engine refused the sandbox container: {exc.explanation or exc}") from None
+                if timeout:
+                    timer = threading.Timer(timeout, self._expire, (container_id, timed_out))
+                    timer.daemon = True
+                    timer.start()
+                for out, err in stream:
+                    if out:
+                        stdout(out)
+                    if err:
+                        stderr(err)
+                exit_code = int(api.wait(container_id)["StatusCode"])
+                state = api.inspect_container(container_id)["State"]
+                if timed_out.is_set():
+                    cause, exit_code = ExitCause.TIMEOUT, 124
+                elif state.get("OOMKilled"):
+                    cause = ExitCause.OOM
+                elif exit_code > 128 and exit_code - 128 in (signal.SIGKILL, signal.SIGTERM):
+                    cause = ExitCause.KILLED
+        except Interrupted as exc:
+            cause, exit_code = ExitCause.KILLED, 128 + exc.signum
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if container_id is not None:
+                self._remove(container_id)
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+        return RunResult(exit_code, cause, time.monotonic() - started, session_id)
+
+    def _expire(self, container_id: str, flag: threading.Event) -> None:
+        import docker.errors
+
+        flag.set()
+        with contextlib.suppress(docker.errors.APIError):
+            self.api.kill(container_id)
+
+    def _remove(self, container_id: str) -> None:
+        import docker.errors
+
+        # Ignore a second Ctrl-C here: leaving the container behind is the one thing not to do.
+        with contextlib.suppress(docker.errors.NotFound):
+            old = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+            if old is not None:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                engine_retry(self.api.remove_container)(container_id, force=True, v=True)
+            finally:
+                if old is not None:
+                    signal.signal(signal.SIGINT, old)
