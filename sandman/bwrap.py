@@ -121,7 +121,7 @@ def classify_probe(exit_code: int, stderr: str) -> ProbeFailure | None:
         for s in ("uid map", "gid map", "new namespace", "user namespace", "max_user_namespaces", "clone")
     ):
         return ProbeFailure.NO_USERNS
-    if "mount" in text or "pivot_root" in text or "chroot" in text:
+    if any(s in text for s in ("mount", "pivot_root", "chroot", "make / slave", "remount")):
         return ProbeFailure.MOUNT_REFUSED
     return ProbeFailure.UNKNOWN
 

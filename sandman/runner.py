@@ -8,6 +8,7 @@ even when the command ignores SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import secrets
@@ -59,12 +60,37 @@ class RunResult:
         return data
 
 
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM reached the controller while a sandbox was running."""
+class Cancel:
+    """Ends a running sandbox from another thread or a signal handler: the controller fires it
+    when its client goes away, the in-process CLI when SIGINT/SIGTERM arrives."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._kill: Callable[[], None] | None = None
+        self.signum: int | None = None
+
+    @property
+    def fired(self) -> bool:
+        return self._event.is_set()
+
+    def fire(self, signum: int | None = None) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self.signum = signum
+            self._event.set()
+            kill = self._kill
+        if kill is not None:
+            threading.Thread(target=kill, daemon=True).start()
+
+    def arm(self, kill: Callable[[], None]) -> None:
+        """Register how to kill the container; kills at once if already fired."""
+        with self._lock:
+            self._kill = kill
+            fired = self._event.is_set()
+        if fired:
+            kill()
 
 
 def new_session_id() -> str:
@@ -80,14 +106,14 @@ def _quiet(_: str) -> None:
 
 
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """Turn SIGINT/SIGTERM into Interrupted in the main thread so teardown always runs."""
+def signals_cancel(cancel: Cancel) -> Iterator[None]:
+    """In the main thread, let SIGINT/SIGTERM fire ``cancel`` so teardown always runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, _frame: FrameType | None) -> None:
-        raise Interrupted(signum)
+        cancel.fire(signum)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -117,10 +143,15 @@ def make_runtime_dir(settings: Settings, session_id: str, ws: Workspace) -> Path
 class Runner:
     """Runs commands in one-shot sandboxes on one engine (the library face of ``sandman run``)."""
 
-    def __init__(self, settings: Settings | None = None, progress: Progress = _quiet) -> None:
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        progress: Progress = _quiet,
+        api: docker.APIClient | None = None,
+    ) -> None:
         self.settings = settings or Settings.load()
         self.progress = progress
-        self._api: docker.APIClient | None = None
+        self._api = api
 
     @property
     def api(self) -> docker.APIClient:
@@ -144,7 +175,9 @@ class Runner:
         timeout: float | None = None,
         stdout: Sink = _discard,
         stderr: Sink = _discard,
+        cancel: Cancel | None = None,
     ) -> RunResult:
+        """Run ``command`` in a fresh sandbox on ``workspace``; stream its output to the sinks."""
         if not command:
             raise UsageError("no command given: put it after --, e.g. sandman run --workspace . -- make test")
         if any("\x00" in arg for arg in command):
@@ -156,7 +189,7 @@ class Runner:
         self.ensure_probe(image, ws, policy)
         if timeout is None:
             timeout = policy.resources.exec_timeout_s
-        return self._run_container(command, ws, camp.name, image, policy, timeout, stdout, stderr)
+        return self._run_container(command, ws, camp.name, image, policy, timeout, stdout, stderr, cancel=cancel)
 
     # -- the probe -------------------------------------------------------------------------
     def ensure_probe(self, image: str, ws: Workspace, policy: Policy) -> None:
@@ -213,10 +246,12 @@ class Runner:
         stdout: Sink,
         stderr: Sink,
         kind: str = "sandbox",
+        cancel: Cancel | None = None,
     ) -> RunResult:
         import docker.errors
 
         api = self.api
+        cancel = cancel or Cancel()
         session_id = new_session_id()
         started = time.monotonic()
         runtime_dir = make_runtime_dir(self.settings, session_id, ws)
@@ -226,15 +261,18 @@ class Runner:
         container_id: str | None = None
         timed_out = threading.Event()
         timer: threading.Timer | None = None
-        cause = ExitCause.EXIT
-        exit_code = 0
+        cause, exit_code = ExitCause.EXIT, 0
         try:
-            with _signals_raise():
+            with signals_cancel(cancel):
                 try:
                     container_id = engine_retry(api.create_container)(**kwargs)["Id"]
+                    cancel.arm(functools.partial(self._kill, container_id))
                     stream = api.attach(container_id, stdout=True, stderr=True, stream=True, logs=True, demux=True)
-                    engine_retry(api.start)(container_id)
+                    if not cancel.fired:
+                        engine_retry(api.start)(container_id)
                 except docker.errors.APIError as exc:
+                    if cancel.fired:
+                        raise _Cancelled from None
                     raise SandboxError(f"the engine refused the sandbox container: {exc.explanation or exc}") from None
                 if timeout:
                     timer = threading.Timer(timeout, self._expire, (container_id, timed_out))
@@ -246,15 +284,17 @@ class Runner:
                     if err:
                         stderr(err)
                 exit_code = int(api.wait(container_id)["StatusCode"])
-                state = api.inspect_container(container_id)["State"]
+                if cancel.fired:
+                    raise _Cancelled
                 if timed_out.is_set():
                     cause, exit_code = ExitCause.TIMEOUT, 124
-                elif state.get("OOMKilled"):
-                    cause = ExitCause.OOM
-                elif exit_code > 128 and exit_code - 128 in (signal.SIGKILL, signal.SIGTERM):
+                elif exit_code == 128 + signal.SIGKILL:
+                    oom = api.inspect_container(container_id)["State"].get("OOMKilled")
+                    cause = ExitCause.OOM if oom else ExitCause.KILLED
+                elif exit_code == 128 + signal.SIGTERM:
                     cause = ExitCause.KILLED
-        except Interrupted as exc:
-            cause, exit_code = ExitCause.KILLED, 128 + exc.signum
+        except _Cancelled:
+            cause, exit_code = ExitCause.KILLED, 128 + (cancel.signum or signal.SIGKILL)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -262,6 +302,12 @@ class Runner:
                 self._remove(container_id)
             shutil.rmtree(runtime_dir, ignore_errors=True)
         return RunResult(exit_code, cause, time.monotonic() - started, session_id)
+
+    def _kill(self, container_id: str) -> None:
+        import docker.errors
+
+        with contextlib.suppress(docker.errors.APIError):
+            self.api.kill(container_id)
 
     def _expire(self, container_id: str, flag: threading.Event) -> None:
         import docker.errors
@@ -273,13 +319,9 @@ class Runner:
     def _remove(self, container_id: str) -> None:
         import docker.errors
 
-        # Ignore a second Ctrl-C here: leaving the container behind is the one thing not to do.
         with contextlib.suppress(docker.errors.NotFound):
-            old = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-            if old is not None:
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-            try:
-                engine_retry(self.api.remove_container)(container_id, force=True, v=True)
-            finally:
-                if old is not None:
-                    signal.signal(signal.SIGINT, old)
+            engine_retry(self.api.remove_container)(container_id, force=True, v=True)
+
+
+class _Cancelled(Exception):
+    pass

@@ -141,3 +141,9 @@ def build_profile(without: frozenset[Relaxation] = frozenset()) -> dict[str, Any
 def render(profile: dict[str, Any]) -> str:
     """Stable JSON text: the exact bytes Docker receives and ``docker inspect`` shows back."""
     return json.dumps(profile, indent=1, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(render(build_profile()))

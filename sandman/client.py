@@ -1,0 +1,125 @@
+"""The CLI's side of ``sandman run``: stdlib only, so a call costs milliseconds before the
+sandbox starts. It finds (or starts) the controller, streams the command's output to this
+process's stdout/stderr, forwards Ctrl-C/SIGTERM as a cancel, and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from sandman import protocol
+
+START_TIMEOUT_S = 30.0
+CANCEL_GRACE_S = 10.0
+
+
+class ControllerUnavailable(Exception):
+    pass
+
+
+def _connect(path: Path) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _start_controller(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    log = open(path.with_suffix(".log"), "ab")  # noqa: SIM115 - handed to the child
+    with log:
+        subprocess.Popen(
+            [sys.executable, "-m", "sandman.controller", "--socket", str(path)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,  # Ctrl-C in the terminal must not reach it
+            close_fds=True,
+        )
+
+
+def connect() -> socket.socket:
+    """A connection to a live controller, starting one when none answers."""
+    path = protocol.socket_path()
+    sock = _connect(path)
+    if sock is not None:
+        return sock
+    _start_controller(path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        sock = _connect(path)
+        if sock is not None:
+            return sock
+        time.sleep(0.02)
+    raise ControllerUnavailable(
+        f"the sandman controller did not start within {START_TIMEOUT_S:.0f}s; see {path.with_suffix('.log')}"
+    )
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def run(args: dict[str, Any], progress: bool = True) -> tuple[int, dict[str, Any] | None, str | None]:
+    """Run through the controller. Returns (exit code, result object, error message)."""
+    try:
+        sock = connect()
+    except ControllerUnavailable as exc:
+        return 71, None, str(exc)
+    cancelled: list[int] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        cancelled.append(signum)
+        with contextlib.suppress(OSError):
+            sock.sendall(f"cancel {signum}\n".encode())
+        sock.settimeout(CANCEL_GRACE_S)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        sock.sendall(json.dumps({"op": "run", "args": args}).encode() + b"\n")
+        while True:
+            try:
+                kind, payload = protocol.recv_frame(sock)
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                if cancelled:
+                    return 128 + cancelled[0], None, None
+                return 71, None, f"lost the controller: {exc}"
+            if kind == protocol.STDOUT:
+                try:
+                    _write_all(1, payload)
+                except BrokenPipeError:
+                    # The reader is gone (`| head`): stop the command like a shell pipeline would.
+                    on_signal(signal.SIGPIPE, None)
+            elif kind == protocol.STDERR:
+                with contextlib.suppress(BrokenPipeError):
+                    _write_all(2, payload)
+            elif kind == protocol.PROGRESS:
+                if progress:
+                    with contextlib.suppress(OSError):
+                        _write_all(2, b"\xe2\x80\xba " + payload + b"\n")
+            elif kind == protocol.RESULT:
+                result = json.loads(payload)
+                return int(result["exit_code"]), result, None
+            elif kind == protocol.ERROR:
+                err = json.loads(payload)
+                return int(err.get("exit_code", 1)), None, str(err.get("message"))
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        sock.close()

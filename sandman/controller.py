@@ -1,0 +1,204 @@
+"""The controller: a per-user background process that keeps the engine connection, settings and
+image cache warm, so a CLI call costs one container's life and not Python's imports.
+
+Started on demand by the CLI (``python -m sandman.controller``), one per code version and
+environment, listening on a Unix socket in the runtime dir (0700). It exits after an idle period.
+Every request runs in its own thread; a client that disconnects cancels its sandbox.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import socketserver
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from sandman import protocol
+from sandman.errors import SandmanError, UsageError
+from sandman.policy import cli_size
+from sandman.runner import Cancel, Runner
+from sandman.settings import Settings
+
+DEFAULT_IDLE_S = 900.0
+
+
+class _State:
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.active = 0
+        self.last = time.monotonic()
+        self.lock = threading.Lock()
+        self.api: Any = None
+        self.api_url: str | None = None
+
+    def enter(self) -> None:
+        with self.lock:
+            self.active += 1
+            self.last = time.monotonic()
+
+    def leave(self) -> None:
+        with self.lock:
+            self.active -= 1
+            self.last = time.monotonic()
+
+    def idle_for(self) -> float:
+        with self.lock:
+            return 0.0 if self.active else time.monotonic() - self.last
+
+
+class Handler(socketserver.StreamRequestHandler):
+    server: Server
+
+    def handle(self) -> None:
+        state = self.server.state
+        state.enter()
+        try:
+            line = self.rfile.readline(protocol.MAX_REQUEST)
+            if not line:
+                return
+            try:
+                request = json.loads(line)
+                op = request["op"]
+            except (ValueError, KeyError, TypeError):
+                protocol.send_json(self.request, protocol.ERROR, {"message": "malformed request", "exit_code": 2})
+                return
+            if op == "ping":
+                protocol.send_json(self.request, protocol.RESULT, {"pid": os.getpid()})
+            elif op == "shutdown":
+                protocol.send_json(self.request, protocol.RESULT, {"pid": os.getpid()})
+                threading.Thread(target=self.server.shutdown, daemon=True).start()
+            elif op == "run":
+                self._run(request.get("args") or {})
+            else:
+                protocol.send_json(self.request, protocol.ERROR, {"message": f"unknown op {op!r}", "exit_code": 2})
+        except (BrokenPipeError, ConnectionError):
+            pass
+        finally:
+            state.leave()
+
+    def _runner(self, settings: Settings, progress: Any) -> Runner:
+        state = self.server.state
+        with state.lock:
+            if state.api is None or state.api_url != settings.docker_base_url():
+                runner = Runner(settings, progress)
+                state.api, state.api_url = runner.api, settings.docker_base_url()
+        return Runner(settings, progress, api=state.api)
+
+    def _run(self, args: dict[str, Any]) -> None:
+        sock: socket.socket = self.request
+        send_lock = threading.Lock()
+
+        def send(kind: bytes, data: bytes) -> None:
+            with send_lock:
+                protocol.send_frame(sock, kind, data)
+
+        cancel = Cancel()
+        watcher = threading.Thread(target=self._watch, args=(cancel,), daemon=True)
+        watcher.start()
+        try:
+            settings = Settings.load()
+            runner = self._runner(settings, lambda msg: send(protocol.PROGRESS, msg.encode()))
+            policy = runner.policy(Path(args["policy"]) if args.get("policy") else None)
+            memory = args.get("memory")
+            policy = policy.with_resources(
+                cpus=args.get("cpus"),
+                memory=cli_size(memory, "--memory") if memory else None,
+                pids=args.get("pids"),
+            )
+            command = args.get("command")
+            if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+                raise UsageError("command must be a list of strings")
+            result = runner.run(
+                command,
+                args.get("workspace") or ".",
+                policy=policy,
+                campaign=args.get("campaign"),
+                timeout=args.get("timeout"),
+                stdout=lambda b: send(protocol.STDOUT, b),
+                stderr=lambda b: send(protocol.STDERR, b),
+                cancel=cancel,
+            )
+            send(protocol.RESULT, json.dumps(result.as_json()).encode())
+        except SandmanError as exc:
+            send(protocol.ERROR, json.dumps({"message": str(exc), "exit_code": exc.exit_code}).encode())
+        except (BrokenPipeError, ConnectionError):
+            cancel.fire()
+        except Exception as exc:  # the client must get an answer, never a hang
+            logger.error("run failed: {}", traceback.format_exc())
+            with contextlib.suppress(OSError):
+                send(protocol.ERROR, json.dumps({"message": f"internal error: {exc!r}", "exit_code": 1}).encode())
+
+    def _watch(self, cancel: Cancel) -> None:
+        """Cancel the sandbox when the client asks, or when it goes away."""
+        try:
+            while True:
+                line = self.rfile.readline(256)
+                if not line:
+                    break
+                if line.startswith(b"cancel"):
+                    parts = line.split()
+                    cancel.fire(int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None)
+        except (OSError, ValueError):
+            pass
+        cancel.fire()
+
+
+class Server(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    state: _State
+
+
+def serve(path: Path, idle_s: float) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    lock_file = open(f"{path}.lock", "w")  # noqa: SIM115 - held for the process's life
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0  # another controller already serves this socket
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    server = Server(str(path), Handler)
+    server.state = _State(idle_s)
+    os.chmod(path, 0o600)
+    logger.info("controller {} serving on {}", os.getpid(), path)
+
+    def reaper() -> None:
+        while server.state.idle_for() < idle_s:
+            time.sleep(min(5.0, idle_s / 4))
+        logger.info("idle for {:.0f}s: exiting", idle_s)
+        server.shutdown()
+
+    threading.Thread(target=reaper, daemon=True).start()
+    try:
+        server.serve_forever(poll_interval=0.5)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        server.server_close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sandman-controller", description=__doc__)
+    parser.add_argument("--socket", type=Path, default=None)
+    parser.add_argument("--idle", type=float, default=float(os.environ.get("SANDMAN_CONTROLLER_IDLE_S", DEFAULT_IDLE_S)))
+    ns = parser.parse_args(argv)
+    logger.remove()
+    logger.add(sys.stderr, level="INFO")
+    return serve(ns.socket or protocol.socket_path(), ns.idle)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
