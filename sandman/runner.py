@@ -16,7 +16,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
@@ -189,7 +189,9 @@ class Runner:
         self.ensure_probe(image, ws, policy)
         if timeout is None:
             timeout = policy.resources.exec_timeout_s
-        return self._run_container(command, ws, camp.name, image, policy, timeout, stdout, stderr, cancel=cancel)
+        return self._run_container(
+            command, ws, camp.name, image, policy, timeout, stdout, stderr, cancel=cancel, env=camp.spec.env
+        )
 
     # -- the probe -------------------------------------------------------------------------
     def ensure_probe(self, image: str, ws: Workspace, policy: Policy) -> None:
@@ -218,9 +220,10 @@ class Runner:
     # -- one container -----------------------------------------------------------------------
     def container_spec(
         self, command: Sequence[str], ws: Workspace, campaign: str, image: str, policy: Policy,
-        session_id: str, runtime_dir: Path,
+        session_id: str, runtime_dir: Path, env: Mapping[str, str] | None = None,
     ) -> ContainerSpec:
-        layer2 = bwrap.bwrap_argv(bwrap.BwrapSpec(command=command, env=bwrap.base_env()))
+        # The campaign's image env is re-stated for layer 2, which starts from a cleared environment.
+        layer2 = bwrap.bwrap_argv(bwrap.BwrapSpec(command=command, env=bwrap.base_env(env)))
         return ContainerSpec(
             image=image,
             command=[TINI, "--", *layer2],
@@ -247,6 +250,7 @@ class Runner:
         stderr: Sink,
         kind: str = "sandbox",
         cancel: Cancel | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> RunResult:
         import docker.errors
 
@@ -255,7 +259,7 @@ class Runner:
         session_id = new_session_id()
         started = time.monotonic()
         runtime_dir = make_runtime_dir(self.settings, session_id, ws)
-        spec = self.container_spec(command, ws, campaign, image, policy, session_id, runtime_dir)
+        spec = self.container_spec(command, ws, campaign, image, policy, session_id, runtime_dir, env)
         kwargs = container_kwargs(spec)
         kwargs["labels"]["io.sandman.kind"] = kind
         container_id: str | None = None
