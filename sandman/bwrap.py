@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 BWRAP = "/usr/bin/bwrap"
 SANDBOX_EXEC = "/usr/lib/sandman/sandbox-exec"
@@ -71,7 +71,7 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
     return argv
 
 
-class ProbeFailure(str, Enum):
+class ProbeFailure(StrEnum):
     NO_USERNS = "no-userns"
     PROC_REFUSED = "proc-mount-refused"
     MOUNT_REFUSED = "mount-refused"

@@ -56,18 +56,38 @@ def app() -> None:
 
 @app.command(context_settings={"allow_interspersed_args": False})
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-@click.option("-w", "--workspace", type=click.Path(path_type=Path), default=Path("."), show_default=True,
-              help="Project directory, mounted read-write at /workspace.")
-@click.option("--campaign", help="Campaign name (.sandman/campaigns/NAME.toml); default: .sandman/image.toml.")
-@click.option("--policy", type=click.Path(path_type=Path), help="Policy file (default: the operator's, else sandman's).")
+@click.option(
+    "-w",
+    "--workspace",
+    type=click.Path(path_type=Path),
+    default=Path("."),
+    show_default=True,
+    help="Project directory, mounted read-write at /workspace.",
+)
+@click.option(
+    "--campaign", help="Campaign name (.sandman/campaigns/NAME.toml); default: .sandman/image.toml."
+)
+@click.option(
+    "--policy", type=click.Path(path_type=Path), help="Policy file (default: the operator's, else sandman's)."
+)
 @click.option("--cpus", type=click.FloatRange(min=0.01), help="CPU cap, e.g. 1.5.")
 @click.option("--memory", help="Memory cap (memory+swap), e.g. 512m or 2g.")
 @click.option("--pids", type=click.IntRange(min=16), help="Maximum number of processes.")
-@click.option("--timeout", type=click.FloatRange(min=0.001), help="Seconds before the whole process tree is killed.")
+@click.option(
+    "--timeout", type=click.FloatRange(min=0.001), help="Seconds before the whole process tree is killed."
+)
 @json_option
-def run(command: tuple[str, ...], workspace: Path, campaign: str | None, policy: Path | None,
-        cpus: float | None, memory: str | None, pids: int | None, timeout: float | None,
-        json_out: bool) -> None:
+def run(
+    command: tuple[str, ...],
+    workspace: Path,
+    campaign: str | None,
+    policy: Path | None,
+    cpus: float | None,
+    memory: str | None,
+    pids: int | None,
+    timeout: float | None,
+    json_out: bool,
+) -> None:
     """Run COMMAND in a fresh sandbox on WORKSPACE and exit with its exit code.
 
     Put the command after --, e.g.  sandman run -w . -- make test
@@ -102,19 +122,27 @@ def run(command: tuple[str, ...], workspace: Path, campaign: str | None, policy:
 
 
 def _run_in_process(args: dict[str, Any]) -> tuple[int, dict[str, Any] | None, str | None]:
+    from sandman.client import write_all
     from sandman.policy import cli_size
     from sandman.runner import Runner
 
     def sink(fd: int) -> Callable[[bytes], None]:
-        return lambda data: os.write(fd, data) and None
+        return lambda data: write_all(fd, data)
 
     try:
         runner = Runner(progress=_progress)
         pol = runner.policy(Path(args["policy"]) if args["policy"] else None)
         mem = cli_size(args["memory"], "--memory") if args["memory"] else None
         pol = pol.with_resources(cpus=args["cpus"], memory=mem, pids=args["pids"])
-        res = runner.run(args["command"], args["workspace"], policy=pol, campaign=args["campaign"],
-                         timeout=args["timeout"], stdout=sink(1), stderr=sink(2))
+        res = runner.run(
+            args["command"],
+            args["workspace"],
+            policy=pol,
+            campaign=args["campaign"],
+            timeout=args["timeout"],
+            stdout=sink(1),
+            stderr=sink(2),
+        )
     except SandmanError as exc:
         return exc.exit_code, None, str(exc)
     return res.exit_code, res.as_json(), None
@@ -149,13 +177,21 @@ def image() -> None:
 
 
 @image.command("build")
-@click.option("-w", "--workspace", type=click.Path(path_type=Path), default=Path("."), show_default=True,
-              help="Workspace whose campaign image to build.")
+@click.option(
+    "-w",
+    "--workspace",
+    type=click.Path(path_type=Path),
+    default=Path("."),
+    show_default=True,
+    help="Workspace whose campaign image to build.",
+)
 @click.option("--campaign", help="Campaign name.")
 @click.option("--rebuild", is_flag=True, help="Rebuild even when the image is cached.")
 @click.option("--base-only", is_flag=True, help="Only the base and agent images (no workspace needed).")
 @json_option
-def image_build(workspace: Path, campaign: str | None, rebuild: bool, base_only: bool, json_out: bool) -> None:
+def image_build(
+    workspace: Path, campaign: str | None, rebuild: bool, base_only: bool, json_out: bool
+) -> None:
     """Build (or find cached) the image for a workspace's campaign."""
     from sandman.image import Campaign, CampaignImage, load_campaign
     from sandman.runner import Runner
@@ -183,7 +219,7 @@ def image_ls(json_out: bool) -> None:
     from sandman.runner import Runner
 
     try:
-        rows = Runner().images().list()
+        rows = Runner().images().list_images()
     except SandmanError as exc:
         _fail(exc)
     if json_out:
@@ -191,18 +227,20 @@ def image_ls(json_out: bool) -> None:
         return
     click.echo(f"{'KIND':<13}{'CAMPAIGN':<20}{'ID':<14}{'SIZE':>9}  TAGS")
     for r in rows:
-        click.echo(f"{r['kind']:<13}{r['campaign']:<20}{r['id']:<14}{r['size_mb']:>7}MB  {', '.join(r['tags'])}")
+        click.echo(
+            f"{r['kind']:<13}{r['campaign']:<20}{r['id']:<14}{r['size_mb']:>7}MB  {', '.join(r['tags'])}"
+        )
 
 
 @image.command("prune")
-@click.option("--all", "all_", is_flag=True, help="Also remove the offline-built base image.")
+@click.option("--all", "all_", is_flag=True, help="Remove every unused sandman image, current ones too.")
 @json_option
 def image_prune(all_: bool, json_out: bool) -> None:
-    """Remove sandman-labelled images no container uses. Never touches other images."""
+    """Remove stale sandman images (all but the newest of each). Never touches other images."""
     from sandman.runner import Runner
 
     try:
-        removed = Runner().images().prune(keep_offline_base=not all_)
+        removed = Runner().images().prune(everything=all_)
     except SandmanError as exc:
         _fail(exc)
     if json_out:

@@ -69,7 +69,7 @@ def connect() -> socket.socket:
     )
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         n = os.write(fd, view)
@@ -102,17 +102,17 @@ def run(args: dict[str, Any], progress: bool = True) -> tuple[int, dict[str, Any
                 return 71, None, f"lost the controller: {exc}"
             if kind == protocol.STDOUT:
                 try:
-                    _write_all(1, payload)
+                    write_all(1, payload)
                 except BrokenPipeError:
                     # The reader is gone (`| head`): stop the command like a shell pipeline would.
                     on_signal(signal.SIGPIPE, None)
             elif kind == protocol.STDERR:
                 with contextlib.suppress(BrokenPipeError):
-                    _write_all(2, payload)
+                    write_all(2, payload)
             elif kind == protocol.PROGRESS:
                 if progress:
                     with contextlib.suppress(OSError):
-                        _write_all(2, b"\xe2\x80\xba " + payload + b"\n")
+                        write_all(2, b"\xe2\x80\xba " + payload + b"\n")
             elif kind == protocol.RESULT:
                 result = json.loads(payload)
                 return int(result["exit_code"]), result, None

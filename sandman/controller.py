@@ -71,7 +71,9 @@ class Handler(socketserver.StreamRequestHandler):
                 request = json.loads(line)
                 op = request["op"]
             except (ValueError, KeyError, TypeError):
-                protocol.send_json(self.request, protocol.ERROR, {"message": "malformed request", "exit_code": 2})
+                protocol.send_json(
+                    self.request, protocol.ERROR, {"message": "malformed request", "exit_code": 2}
+                )
                 return
             if op == "ping":
                 protocol.send_json(self.request, protocol.RESULT, {"pid": os.getpid()})
@@ -81,7 +83,9 @@ class Handler(socketserver.StreamRequestHandler):
             elif op == "run":
                 self._run(request.get("args") or {})
             else:
-                protocol.send_json(self.request, protocol.ERROR, {"message": f"unknown op {op!r}", "exit_code": 2})
+                protocol.send_json(
+                    self.request, protocol.ERROR, {"message": f"unknown op {op!r}", "exit_code": 2}
+                )
         except (BrokenPipeError, ConnectionError):
             pass
         finally:
@@ -137,7 +141,10 @@ class Handler(socketserver.StreamRequestHandler):
         except Exception as exc:  # the client must get an answer, never a hang
             logger.error("run failed: {}", traceback.format_exc())
             with contextlib.suppress(OSError):
-                send(protocol.ERROR, json.dumps({"message": f"internal error: {exc!r}", "exit_code": 1}).encode())
+                send(
+                    protocol.ERROR,
+                    json.dumps({"message": f"internal error: {exc!r}", "exit_code": 1}).encode(),
+                )
 
     def _watch(self, cancel: Cancel) -> None:
         """Cancel the sandbox when the client asks, or when it goes away."""
@@ -193,7 +200,9 @@ def serve(path: Path, idle_s: float) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sandman-controller", description=__doc__)
     parser.add_argument("--socket", type=Path, default=None)
-    parser.add_argument("--idle", type=float, default=float(os.environ.get("SANDMAN_CONTROLLER_IDLE_S", DEFAULT_IDLE_S)))
+    parser.add_argument(
+        "--idle", type=float, default=float(os.environ.get("SANDMAN_CONTROLLER_IDLE_S", DEFAULT_IDLE_S))
+    )
     ns = parser.parse_args(argv)
     logger.remove()
     logger.add(sys.stderr, level="INFO")

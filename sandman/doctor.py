@@ -44,23 +44,63 @@ def run_checks(settings: Settings) -> list[Check]:
         return [Check("engine", False, str(exc), "run scripts/setup (as root) or start dockerd")]
     info = api.info()
     version = api.version()
-    checks.append(Check("engine", True, f"Docker {version.get('Version')} (API {api.api_version}) at {settings.docker_base_url()}"))
+    checks.append(
+        Check(
+            "engine",
+            True,
+            f"Docker {version.get('Version')} (API {api.api_version}) at {settings.docker_base_url()}",
+        )
+    )
     runtimes = sorted((info.get("Runtimes") or {}).keys())
-    checks.append(Check("runtime runc", "runc" in runtimes, f"runtimes: {', '.join(runtimes) or 'none'}",
-                        "install runc (Debian: apt-get install runc)"))
+    checks.append(
+        Check(
+            "runtime runc",
+            "runc" in runtimes,
+            f"runtimes: {', '.join(runtimes) or 'none'}",
+            "install runc (Debian: apt-get install runc)",
+        )
+    )
     has_runsc = "runsc" in runtimes
-    checks.append(Check(
-        "runtime runsc (gVisor)", has_runsc,
-        "registered" if has_runsc else ("runsc binary present, not registered with dockerd" if shutil.which("runsc") else "not installed"),
-        "optional: apt-get install runsc, then add it to /etc/docker/daemon.json \"runtimes\"",
-        required=False,
-    ))
-    checks.append(Check("cgroups", True, f"{info.get('CgroupVersion') or _cgroup_version()} ({info.get('CgroupDriver', '?')} driver)"))
+    checks.append(
+        Check(
+            "runtime runsc (gVisor)",
+            has_runsc,
+            "registered"
+            if has_runsc
+            else (
+                "runsc binary present, not registered with dockerd"
+                if shutil.which("runsc")
+                else "not installed"
+            ),
+            'optional: apt-get install runsc, then add it to /etc/docker/daemon.json "runtimes"',
+            required=False,
+        )
+    )
+    checks.append(
+        Check(
+            "cgroups",
+            True,
+            f"{info.get('CgroupVersion') or _cgroup_version()} ({info.get('CgroupDriver', '?')} driver)",
+        )
+    )
     sec = [s for s in info.get("SecurityOptions") or [] if "seccomp" in s]
-    checks.append(Check("seccomp", bool(sec), sec[0] if sec else "engine reports no seccomp support",
-                        "use an engine built with seccomp (libseccomp)"))
+    checks.append(
+        Check(
+            "seccomp",
+            bool(sec),
+            sec[0] if sec else "engine reports no seccomp support",
+            "use an engine built with seccomp (libseccomp)",
+        )
+    )
     profile = resources.seccomp_profile_path()
-    checks.append(Check("seccomp profile", profile.is_file(), str(profile), "reinstall sandman: the profile file is missing"))
+    checks.append(
+        Check(
+            "seccomp profile",
+            profile.is_file(),
+            str(profile),
+            "reinstall sandman: the profile file is missing",
+        )
+    )
     runner = Runner(settings)
     runner._api = api
     images = runner.images()
@@ -73,15 +113,30 @@ def run_checks(settings: Settings) -> list[Check]:
     if base is not None:
         tag = images.base_tag(base)
         present = bool(api.images(name=tag))
-        checks.append(Check("agent image", present, tag if present else f"{tag} not built yet",
-                            "`sandman image build` (run builds it on first use)", required=False))
+        checks.append(
+            Check(
+                "agent image",
+                present,
+                tag if present else f"{tag} not built yet",
+                "`sandman image build` (run builds it on first use)",
+                required=False,
+            )
+        )
         if present:
             checks.append(_probe(runner, tag))
     usage = shutil.disk_usage(info.get("DockerRootDir") or "/")
     free_gb = usage.free / 1e9
-    checks.append(Check("free disk", free_gb >= MIN_FREE_GB, f"{free_gb:.1f} GB free under {info.get('DockerRootDir', '/')}",
-                        f"free at least {MIN_FREE_GB} GB for images and sandboxes"))
-    checks.append(Check("host", True, f"{platform.system()} {platform.release()} {platform.machine()}", required=False))
+    checks.append(
+        Check(
+            "free disk",
+            free_gb >= MIN_FREE_GB,
+            f"{free_gb:.1f} GB free under {info.get('DockerRootDir', '/')}",
+            f"free at least {MIN_FREE_GB} GB for images and sandboxes",
+        )
+    )
+    checks.append(
+        Check("host", True, f"{platform.system()} {platform.release()} {platform.machine()}", required=False)
+    )
     return checks
 
 
@@ -100,16 +155,33 @@ def _probe(runner: Any, image: str) -> Check:
         ws = resolve_workspace(tmp)
         err = bytearray()
         try:
-            res = runner._run_container(["true"], ws, "doctor", image, load_policy(runner.settings.default_policy),
-                                        60.0, lambda b: None, err.extend, kind="probe")
+            res = runner._run_container(
+                ["true"],
+                ws,
+                "doctor",
+                image,
+                load_policy(runner.settings.default_policy),
+                60.0,
+                lambda b: None,
+                err.extend,
+                kind="probe",
+            )
         except SandmanError as exc:
             return Check("bwrap probe", False, str(exc), "see the message")
     if res.exit_code == 0:
-        return Check("bwrap probe", True, f"bubblewrap runs inside the container with sandman's profile ({res.duration_s:.2f}s)")
+        return Check(
+            "bwrap probe",
+            True,
+            f"bubblewrap runs inside the container with sandman's profile ({res.duration_s:.2f}s)",
+        )
     failure = bwrap.classify_probe(res.exit_code, err.decode(errors="replace"))
     text = err.decode(errors="replace").strip()
-    return Check("bwrap probe", False, f"{failure.value if failure else 'failed'}: {text[-300:]}",
-                 bwrap.probe_fix(failure) if failure else "")
+    return Check(
+        "bwrap probe",
+        False,
+        f"{failure.value if failure else 'failed'}: {text[-300:]}",
+        bwrap.probe_fix(failure) if failure else "",
+    )
 
 
 def as_json(checks: list[Check]) -> dict[str, Any]:

@@ -93,7 +93,12 @@ def container_kwargs(spec: ContainerSpec) -> dict[str, Any]:
         "LogConfig": {"Type": "json-file", "Config": {"max-size": LOG_MAX_SIZE, "max-file": LOG_MAX_FILE}},
         "Mounts": [
             {"Target": WORKSPACE, "Source": spec.workspace, "Type": "bind", "ReadOnly": False},
-            {"Target": RUNTIME_DIR_IN_CONTAINER, "Source": spec.runtime_dir, "Type": "bind", "ReadOnly": False},
+            {
+                "Target": RUNTIME_DIR_IN_CONTAINER,
+                "Source": spec.runtime_dir,
+                "Type": "bind",
+                "ReadOnly": False,
+            },
         ],
         "IpcMode": "private",
         "Runtime": spec.runtime.value,

@@ -38,7 +38,7 @@ LABEL_HASH = "io.sandman.hash"
 LABEL_BASE = "io.sandman.base"
 BASE_REPO = "sandman/base"
 CAMPAIGN_REPO = "sandman/campaign"
-OFFLINE_PACKAGES = ("bubblewrap", "tini", "python3-minimal", "git", "ca-certificates")
+OFFLINE_PACKAGES = ("bubblewrap", "tini", "python3", "git", "ca-certificates")
 _CAMPAIGN_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 _APT_NAME = re.compile(r"^[a-z0-9][a-z0-9+.-]*(=[A-Za-z0-9.+:~-]+)?$")
 _PIP_REQ = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?([<>=!~]=?[A-Za-z0-9.*+!-]+,?)*$")
@@ -137,7 +137,9 @@ def load_campaign(workspace: Path, name: str | None = None) -> Campaign:
         spec = _read_campaign_file(path) if path.is_file() else CampaignImage()
         return Campaign(spec.name or campaign_slug(workspace.name), spec, path if path.is_file() else None)
     if not _CAMPAIGN_NAME.match(name):
-        raise CampaignError(f"campaign name {name!r} is invalid: use lowercase letters, digits, '.', '_', '-'")
+        raise CampaignError(
+            f"campaign name {name!r} is invalid: use lowercase letters, digits, '.', '_', '-'"
+        )
     path = sandman_dir / "campaigns" / f"{name}.toml"
     if not path.is_file():
         known = sorted(p.stem for p in (sandman_dir / "campaigns").glob("*.toml"))
@@ -307,7 +309,7 @@ class ImageManager:
             raise ImageError(f"building {tag} failed: {exc.explanation or exc}") from None
 
     # -- listing and pruning ---------------------------------------------------------------
-    def list(self) -> list[dict[str, Any]]:
+    def list_images(self) -> list[dict[str, Any]]:
         images = self.api.images(filters={"label": LABEL_KIND})
         rows = []
         for img in images:
@@ -324,26 +326,31 @@ class ImageManager:
             )
         return sorted(rows, key=lambda r: (r["kind"], r["campaign"], -r["created"]))
 
-    def prune(self, keep_offline_base: bool = True) -> list[str]:
-        """Remove sandman-labelled images no container uses; never anything unlabelled."""
+    def prune(self, everything: bool = False) -> list[str]:
+        """Remove stale sandman-labelled images: every one but the newest of each repository
+        (``everything``: all of them, the offline base included). Images a container uses, and
+        images without sandman's labels, are never touched."""
         import docker.errors
 
         used = {c["ImageID"] for c in self.api.containers(all=True)}
+        images = self.api.images(filters={"label": LABEL_KIND})
+        newest: dict[str, tuple[int, str]] = {}
+        for img in images:
+            for tag in img.get("RepoTags") or []:
+                repo = tag.rpartition(":")[0]
+                if img.get("Created", 0) >= newest.get(repo, (-1, ""))[0]:
+                    newest[repo] = (img.get("Created", 0), img["Id"])
+        keep = set() if everything else {image_id for _, image_id in newest.values()}
+        order = {"campaign": 0, "base": 1, "offline-base": 2}  # children before their parents
         removed = []
-        # Campaign layers first, so their parents are free to go.
-        order = {"campaign": 0, "base": 1, "offline-base": 2}
-        for img in sorted(
-            self.api.images(filters={"label": LABEL_KIND}),
-            key=lambda i: order.get((i.get("Labels") or {}).get(LABEL_KIND, ""), 3),
-        ):
-            kind = (img.get("Labels") or {}).get(LABEL_KIND)
-            if img["Id"] in used or (kind == "offline-base" and keep_offline_base):
+        for img in sorted(images, key=lambda i: order.get((i.get("Labels") or {}).get(LABEL_KIND, ""), 3)):
+            if img["Id"] in used or img["Id"] in keep:
                 continue
             try:
                 self.api.remove_image(img["Id"], force=False, noprune=False)
                 removed.append(", ".join(img.get("RepoTags") or [img["Id"][:19]]))
             except docker.errors.APIError:
-                continue  # still a parent of something in use
+                continue  # still the parent of an image in use
         return removed
 
 
@@ -353,8 +360,9 @@ def _build_lines(stream: Iterator[dict[str, Any]]) -> Iterator[str]:
             detail = chunk.get("errorDetail", {}).get("message") or chunk["error"]
             raise ImageError(f"image build failed: {detail.strip()}")
         text = str(chunk.get("stream", "")).strip()
-        if text:
-            yield text
+        # One line per Dockerfile step keeps progress readable; RUN output is not shown.
+        if text.startswith("Step "):
+            yield text if len(text) <= 100 else text[:97] + "..."
 
 
 def apt_mirror() -> str | None:
@@ -368,7 +376,9 @@ def apt_mirror() -> str | None:
         if path.suffix == ".sources":
             for stanza in text.split("\n\n"):
                 fields = dict(
-                    line.split(":", 1) for line in stanza.splitlines() if ":" in line and not line.startswith("#")
+                    line.split(":", 1)
+                    for line in stanza.splitlines()
+                    if ":" in line and not line.startswith("#")
                 )
                 uris = fields.get("URIs", "").split()
                 suites = fields.get("Suites", "").split()
@@ -390,11 +400,19 @@ def build_offline_base(api: docker.APIClient, tag: str, progress: Progress = _qu
             "(or make a registry reachable)"
         )
     if os.geteuid() != 0:
-        raise ImageError("building the base image offline needs root (debootstrap): run scripts/setup as root")
+        raise ImageError(
+            "building the base image offline needs root (debootstrap): run scripts/setup as root"
+        )
     repo, _, version = tag.rpartition(":")
     with tempfile.TemporaryDirectory(prefix="sandman-rootfs-") as tmp:
         rootfs = Path(tmp) / "rootfs"
-        cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(OFFLINE_PACKAGES)}", "bookworm", str(rootfs)]
+        cmd = [
+            "debootstrap",
+            "--variant=minbase",
+            f"--include={','.join(OFFLINE_PACKAGES)}",
+            "bookworm",
+            str(rootfs),
+        ]
         mirror = apt_mirror()
         if mirror:
             cmd.append(mirror)
@@ -405,7 +423,9 @@ def build_offline_base(api: docker.APIClient, tag: str, progress: Progress = _qu
         for line in proc.stdout:
             line = line.rstrip()
             tail = [*tail[-20:], line]
-            if line.startswith(("I: Retrieving", "I: Extracting", "I: Installing", "I: Configuring", "I: Base")):
+            if line.startswith(
+                ("I: Retrieving", "I: Extracting", "I: Installing", "I: Configuring", "I: Base")
+            ):
                 if not line.startswith(("I: Retrieving ", "I: Extracting ")) or line.endswith("..."):
                     progress(line[3:])
         if proc.wait() != 0:
@@ -415,7 +435,9 @@ def build_offline_base(api: docker.APIClient, tag: str, progress: Progress = _qu
                 if p.is_file():
                     p.unlink()
         progress(f"importing the root filesystem as {tag}")
-        tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-c", "."], stdout=subprocess.PIPE)
+        tar = subprocess.Popen(
+            ["tar", "-C", str(rootfs), "--numeric-owner", "-c", "."], stdout=subprocess.PIPE
+        )
         assert tar.stdout is not None
         try:
             api.import_image_from_stream(

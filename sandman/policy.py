@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 import tomllib
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -48,7 +48,7 @@ def cli_size(value: str, flag: str) -> int:
 Size = Annotated[int, BeforeValidator(parse_size)]
 
 
-class Runtime(str, Enum):
+class Runtime(StrEnum):
     RUNC = "runc"
     RUNSC = "runsc"
 

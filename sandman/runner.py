@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -38,7 +38,7 @@ TINI = "/usr/bin/tini"
 Sink = Callable[[bytes], None]
 
 
-class ExitCause(str, Enum):
+class ExitCause(StrEnum):
     EXIT = "exit"
     TIMEOUT = "timeout"
     OOM = "oom"
@@ -205,7 +205,9 @@ class Runner:
         if marker.exists():
             return
         err = bytearray()
-        result = self._run_container(["true"], ws, "probe", image, policy, 60.0, _discard, err.extend, kind="probe")
+        result = self._run_container(
+            ["true"], ws, "probe", image, policy, 60.0, _discard, err.extend, kind="probe"
+        )
         if result.exit_code != 0:
             failure = bwrap.classify_probe(result.exit_code, err.decode(errors="replace"))
             detail = err.decode(errors="replace").strip().splitlines()
@@ -219,8 +221,15 @@ class Runner:
 
     # -- one container -----------------------------------------------------------------------
     def container_spec(
-        self, command: Sequence[str], ws: Workspace, campaign: str, image: str, policy: Policy,
-        session_id: str, runtime_dir: Path, env: Mapping[str, str] | None = None,
+        self,
+        command: Sequence[str],
+        ws: Workspace,
+        campaign: str,
+        image: str,
+        policy: Policy,
+        session_id: str,
+        runtime_dir: Path,
+        env: Mapping[str, str] | None = None,
     ) -> ContainerSpec:
         # The campaign's image env is re-stated for layer 2, which starts from a cleared environment.
         layer2 = bwrap.bwrap_argv(bwrap.BwrapSpec(command=command, env=bwrap.base_env(env)))
@@ -271,13 +280,17 @@ class Runner:
                 try:
                     container_id = engine_retry(api.create_container)(**kwargs)["Id"]
                     cancel.arm(functools.partial(self._kill, container_id))
-                    stream = api.attach(container_id, stdout=True, stderr=True, stream=True, logs=True, demux=True)
+                    stream = api.attach(
+                        container_id, stdout=True, stderr=True, stream=True, logs=True, demux=True
+                    )
                     if not cancel.fired:
                         engine_retry(api.start)(container_id)
                 except docker.errors.APIError as exc:
                     if cancel.fired:
                         raise _Cancelled from None
-                    raise SandboxError(f"the engine refused the sandbox container: {exc.explanation or exc}") from None
+                    raise SandboxError(
+                        f"the engine refused the sandbox container: {exc.explanation or exc}"
+                    ) from None
                 if timeout:
                     timer = threading.Timer(timeout, self._expire, (container_id, timed_out))
                     timer.daemon = True

@@ -8,7 +8,7 @@ relaxation is named so the minimality tests can drop one at a time and watch bub
 from __future__ import annotations
 
 import json
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 CLONE_NEWUSER = 0x10000000
@@ -19,7 +19,7 @@ ENOSYS = 38
 EPERM = 1
 
 
-class Relaxation(str, Enum):
+class Relaxation(StrEnum):
     """What sandman allows beyond Docker's default profile for an unprivileged container."""
 
     CLONE_NEWUSER = "clone-newuser"  # clone() that creates a user namespace (bwrap's sandbox)

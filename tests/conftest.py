@@ -96,10 +96,16 @@ def stop_controllers(run_dir: Path) -> None:
                 pass
 
 
-def sandman(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
-            input: bytes | None = None) -> subprocess.CompletedProcess[str]:
+def sandman(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300, input: bytes | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*SANDMAN, *args], capture_output=True, text=True, env=env, timeout=timeout, input=input and input.decode(),
+        [*SANDMAN, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        input=input and input.decode(),
         cwd=ROOT,
     )
 
@@ -112,4 +118,3 @@ def sandman_containers(engine: object, session: str | None = None) -> list[dict[
 @pytest.fixture
 def unique() -> str:
     return uuid.uuid4().hex[:8]
-

@@ -28,7 +28,11 @@ def one_line_error(stderr: str) -> str:
         (["run", "--workspace", "/usr/share", "--", "true"], 3, "owned by root"),
         (["run", "--workspace", "{ws}", "--memory", "lots", "--", "true"], 2, "--memory"),
         (["run", "--workspace", "{ws}", "--campaign", "nope", "--", "true"], 4, "unknown campaign 'nope'"),
-        (["run", "--workspace", "{ws}", "--policy", "{ws}/missing.toml", "--", "true"], 4, "policy file not found"),
+        (
+            ["run", "--workspace", "{ws}", "--policy", "{ws}/missing.toml", "--", "true"],
+            4,
+            "policy file not found",
+        ),
         (["run", "--workspace", "{ws}", "--", "true", "a\x00b"], 2, None),
     ],
 )
@@ -52,7 +56,9 @@ def test_home_itself_is_refused(engine: object, cli_env: dict[str, str]) -> None
     assert res.returncode == 3 and "home directory itself" in one_line_error(res.stderr)
 
 
-def test_invalid_image_toml_names_file_key_and_reason(engine: object, workspace: Path, cli_env: dict[str, str]) -> None:
+def test_invalid_image_toml_names_file_key_and_reason(
+    engine: object, workspace: Path, cli_env: dict[str, str]
+) -> None:
     (workspace / ".sandman").mkdir()
     (workspace / ".sandman" / "image.toml").write_text('apt_packages = ["ok", "bad;name"]\n')
     res = sandman("run", "--workspace", str(workspace), "--", "true", env=cli_env)
@@ -74,7 +80,9 @@ def test_no_command(engine: object, workspace: Path, cli_env: dict[str, str]) ->
     assert res.returncode == 2 and "Missing argument" in res.stderr
 
 
-def test_doctor_passes_here_with_the_bwrap_probe(engine: object, agent_image: str, cli_env: dict[str, str]) -> None:
+def test_doctor_passes_here_with_the_bwrap_probe(
+    engine: object, agent_image: str, cli_env: dict[str, str]
+) -> None:
     res = sandman("doctor", "--json", env=cli_env)
     report = json.loads(res.stdout)
     checks = {c["name"]: c for c in report["checks"]}
@@ -122,8 +130,9 @@ def test_campaign_image_is_cached_by_content_and_rebuilt_on_change(
         engine.remove_image(tag)  # type: ignore[attr-defined]
 
 
-def test_prune_never_touches_unlabelled_images(engine: object, agent_image: str, cli_env: dict[str, str],
-                                               unique: str) -> None:
+def test_prune_never_touches_unlabelled_images(
+    engine: object, agent_image: str, cli_env: dict[str, str], unique: str
+) -> None:
     import io
     import tarfile
 

@@ -16,14 +16,18 @@ from tests.conftest import SANDMAN, sandman, sandman_containers
 pytestmark = pytest.mark.docker
 
 
-def run_in(ws: Path, env: dict[str, str], *cmd: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+def run_in(
+    ws: Path, env: dict[str, str], *cmd: str, extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     return sandman("run", "--workspace", str(ws), *extra, "--", *cmd, env=env)
 
 
 def test_must_show_identity_capabilities_seccomp_network_and_workspace_write(
     engine: object, agent_image: str, workspace: Path, cli_env: dict[str, str]
 ) -> None:
-    script = 'id -u; grep -E "^Cap(Eff|Bnd)|NoNewPrivs|Seccomp:" /proc/self/status; ls /sys/class/net; echo ok > f'
+    script = (
+        'id -u; grep -E "^Cap(Eff|Bnd)|NoNewPrivs|Seccomp:" /proc/self/status; ls /sys/class/net; echo ok > f'
+    )
     res = run_in(workspace, cli_env, "sh", "-c", script)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.split()
@@ -34,7 +38,9 @@ def test_must_show_identity_capabilities_seccomp_network_and_workspace_write(
     assert (workspace / "f").read_text() == "ok\n"
 
 
-def test_all_capability_sets_are_empty(engine: object, agent_image: str, workspace: Path, cli_env: dict[str, str]) -> None:
+def test_all_capability_sets_are_empty(
+    engine: object, agent_image: str, workspace: Path, cli_env: dict[str, str]
+) -> None:
     res = run_in(workspace, cli_env, "grep", "-E", "^Cap(Inh|Prm|Eff|Bnd|Amb):", "/proc/self/status")
     assert res.returncode == 0, res.stderr
     values = [line.split()[1] for line in res.stdout.splitlines()]
@@ -96,8 +102,16 @@ def test_kernel_settings_cannot_be_opened_for_writing(
     control = workspace / "control"
     control.write_text("")
     os.chown(control, workspace.stat().st_uid, workspace.stat().st_gid)
-    res = run_in(workspace, cli_env, "python3", "-c", probe, "/proc/sys/kernel/core_pattern",
-                 "/proc/sysrq-trigger", "/workspace/control")
+    res = run_in(
+        workspace,
+        cli_env,
+        "python3",
+        "-c",
+        probe,
+        "/proc/sys/kernel/core_pattern",
+        "/proc/sysrq-trigger",
+        "/workspace/control",
+    )
     out = dict(line.split(" ", 1) for line in res.stdout.splitlines())
     assert out["/proc/sys/kernel/core_pattern"].startswith("refused"), res.stdout
     assert out["/proc/sysrq-trigger"].startswith("refused"), res.stdout
@@ -115,20 +129,23 @@ def test_files_written_appear_on_the_host_owned_by_the_workspace_owner(
 
 
 @pytest.mark.parametrize(("cmd", "code"), [(["true"], 0), (["false"], 1), (["sh", "-c", "exit 42"], 42)])
-def test_exit_codes_propagate(engine: object, agent_image: str, workspace: Path, cli_env: dict[str, str],
-                              cmd: list[str], code: int) -> None:
+def test_exit_codes_propagate(
+    engine: object, agent_image: str, workspace: Path, cli_env: dict[str, str], cmd: list[str], code: int
+) -> None:
     assert run_in(workspace, cli_env, *cmd).returncode == code
 
 
-def test_missing_command_exits_127_naming_it(engine: object, agent_image: str, workspace: Path,
-                                            cli_env: dict[str, str]) -> None:
+def test_missing_command_exits_127_naming_it(
+    engine: object, agent_image: str, workspace: Path, cli_env: dict[str, str]
+) -> None:
     res = run_in(workspace, cli_env, "no-such-tool", "--flag")
     assert res.returncode == 127
     assert "command not found in the sandbox: no-such-tool" in res.stderr
 
 
-def test_stdout_and_stderr_stay_separate(engine: object, agent_image: str, workspace: Path,
-                                        cli_env: dict[str, str]) -> None:
+def test_stdout_and_stderr_stay_separate(
+    engine: object, agent_image: str, workspace: Path, cli_env: dict[str, str]
+) -> None:
     res = run_in(workspace, cli_env, "sh", "-c", "echo to-out; echo to-err >&2; echo more-out")
     assert res.stdout == "to-out\nmore-out\n"
     assert "to-err" in res.stderr and "to-out" not in res.stderr
@@ -163,9 +180,19 @@ def test_signal_to_sandman_leaves_no_container(
 ) -> None:
     marker = workspace / f"started-{unique}"
     proc = subprocess.Popen(
-        [*SANDMAN, "run", "--workspace", str(workspace), "--", "sh", "-c",
-         f"trap '' TERM INT; touch {marker.name}; sleep 300"],
-        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            *SANDMAN,
+            "run",
+            "--workspace",
+            str(workspace),
+            "--",
+            "sh",
+            "-c",
+            f"trap '' TERM INT; touch {marker.name}; sleep 300",
+        ],
+        env=cli_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 60
     while not marker.exists() and time.monotonic() < deadline:
@@ -191,23 +218,46 @@ def test_docker_inspect_of_a_live_sandbox_shows_the_hardening(
     from sandman import resources
 
     proc = subprocess.Popen(
-        [*SANDMAN, "run", "--workspace", str(workspace), "--cpus", "1.5", "--memory", "768m", "--pids", "200",
-         "--", "sh", "-c", "touch ready; sleep 300"],
-        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            *SANDMAN,
+            "run",
+            "--workspace",
+            str(workspace),
+            "--cpus",
+            "1.5",
+            "--memory",
+            "768m",
+            "--pids",
+            "200",
+            "--",
+            "sh",
+            "-c",
+            "touch ready; sleep 300",
+        ],
+        env=cli_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         deadline = time.monotonic() + 60
         while not (workspace / "ready").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        [c] = [c for c in sandman_containers(engine)
-               if c["Mounts"] and any(m.get("Source") == str(workspace) for m in c["Mounts"])]  # type: ignore[union-attr,attr-defined]
+        [c] = [
+            c
+            for c in sandman_containers(engine)
+            if c["Mounts"] and any(m.get("Source") == str(workspace) for m in c["Mounts"])
+        ]  # type: ignore[union-attr,attr-defined]
         info = engine.inspect_container(c["Id"])  # type: ignore[attr-defined]
         hc = info["HostConfig"]
         assert hc["NetworkMode"] == "none"
         assert hc["CapDrop"] == ["ALL"] and not hc.get("CapAdd")
         assert hc["ReadonlyRootfs"] is True and hc["Privileged"] is False
         assert (hc["NanoCpus"], hc["Memory"], hc["MemorySwap"], hc["PidsLimit"]) == (
-            1_500_000_000, 768 << 20, 768 << 20, 200)
+            1_500_000_000,
+            768 << 20,
+            768 << 20,
+            200,
+        )
         assert "no-new-privileges" in hc["SecurityOpt"]
         profile = resources.seccomp_profile_path().read_text()
         assert f"seccomp={profile}" in hc["SecurityOpt"]

@@ -8,7 +8,9 @@ from sandman.bwrap import BwrapSpec, ProbeFailure, base_env, bwrap_argv, classif
 
 
 def test_bwrap_argv_exact_output() -> None:
-    argv = bwrap_argv(BwrapSpec(command=["sh", "-c", "echo hi"], env={"HOME": "/home/agent", "PATH": "/usr/bin"}))
+    argv = bwrap_argv(
+        BwrapSpec(command=["sh", "-c", "echo hi"], env={"HOME": "/home/agent", "PATH": "/usr/bin"})
+    )
     assert argv == [
         "/usr/bin/bwrap",
         "--unshare-all", "--unshare-user", "--disable-userns", "--new-session", "--die-with-parent",
@@ -54,14 +56,20 @@ def test_base_env_inherits_nothing_from_the_host(monkeypatch: pytest.MonkeyPatch
     ("stderr", "expected"),
     [
         ("bwrap: setting up uid map: Operation not permitted", ProbeFailure.NO_USERNS),
-        ("bwrap: No permissions to creating new namespace, likely because the kernel does not allow "
-         "non-privileged user namespaces.", ProbeFailure.NO_USERNS),
+        (
+            "bwrap: No permissions to creating new namespace, likely because the kernel does not allow "
+            "non-privileged user namespaces.",
+            ProbeFailure.NO_USERNS,
+        ),
         ("bwrap: Creating new namespace failed: Operation not permitted", ProbeFailure.NO_USERNS),
         ("bwrap: Can't mount proc on /newroot/proc: Operation not permitted", ProbeFailure.PROC_REFUSED),
         ("bwrap: Failed to make / slave: Permission denied", ProbeFailure.MOUNT_REFUSED),
         ("bwrap: pivot_root: Operation not permitted", ProbeFailure.MOUNT_REFUSED),
         ("bwrap: Unknown option --disable-userns", ProbeFailure.BWRAP_TOO_OLD),
-        ('exec: "/usr/bin/bwrap": stat /usr/bin/bwrap: no such file or directory', ProbeFailure.BWRAP_MISSING),
+        (
+            'exec: "/usr/bin/bwrap": stat /usr/bin/bwrap: no such file or directory',
+            ProbeFailure.BWRAP_MISSING,
+        ),
         ("something else entirely", ProbeFailure.UNKNOWN),
     ],
 )

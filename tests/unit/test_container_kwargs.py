@@ -19,8 +19,15 @@ def spec(**changes: object) -> ContainerSpec:
         runtime_dir="/run/user/1000/sandman/sm-123",
         uid=1000,
         gid=1000,
-        resources=Resources(cpus=1.5, memory="1g", pids=256, tmpfs_size="64m", tmpfs_inodes=4096,
-                            max_file_size="512m", open_files=2048),
+        resources=Resources(
+            cpus=1.5,
+            memory="1g",
+            pids=256,
+            tmpfs_size="64m",
+            tmpfs_inodes=4096,
+            max_file_size="512m",
+            open_files=2048,
+        ),
         seccomp_profile='{"defaultAction": "SCMP_ACT_ERRNO"}',
     )
     base.update(changes)
@@ -67,8 +74,12 @@ def test_container_kwargs_exact_output() -> None:
             "LogConfig": {"Type": "json-file", "Config": {"max-size": "10m", "max-file": "2"}},
             "Mounts": [
                 {"Target": "/workspace", "Source": "/home/u/proj", "Type": "bind", "ReadOnly": False},
-                {"Target": "/run/sandman", "Source": "/run/user/1000/sandman/sm-123", "Type": "bind",
-                 "ReadOnly": False},
+                {
+                    "Target": "/run/sandman",
+                    "Source": "/run/user/1000/sandman/sm-123",
+                    "Type": "bind",
+                    "ReadOnly": False,
+                },
             ],
             "IpcMode": "private",
             "Runtime": "runc",

@@ -26,9 +26,12 @@ def test_no_image_toml_is_the_plain_agent_image(tmp_path: Path) -> None:
 
 
 def test_image_toml_renders_a_dockerfile(tmp_path: Path) -> None:
-    write(tmp_path, ".sandman/image.toml",
-          'name = "demo"\napt_packages = ["jq", "curl=7.88.1-10+deb12u5"]\npip_packages = ["requests==2.32.3"]\n'
-          'env = { GREETING = "hi \\"there\\"" }\ndockerfile_lines = ["RUN echo extra"]\n')
+    write(
+        tmp_path,
+        ".sandman/image.toml",
+        'name = "demo"\napt_packages = ["jq", "curl=7.88.1-10+deb12u5"]\npip_packages = ["requests==2.32.3"]\n'
+        'env = { GREETING = "hi \\"there\\"" }\ndockerfile_lines = ["RUN echo extra"]\n',
+    )
     camp = load_campaign(tmp_path)
     assert camp.name == "demo"
     text = camp.spec.dockerfile("sandman/base:x")

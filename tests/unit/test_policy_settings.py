@@ -13,8 +13,15 @@ from sandman.settings import Settings, describe
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("512m", 512 << 20), ("2g", 2 << 30), ("1.5GiB", int(1.5 * (1 << 30))), ("4096", 4096), (1024, 1024),
-     ("64k", 64 << 10), ("1T", 1 << 40)],
+    [
+        ("512m", 512 << 20),
+        ("2g", 2 << 30),
+        ("1.5GiB", int(1.5 * (1 << 30))),
+        ("4096", 4096),
+        (1024, 1024),
+        ("64k", 64 << 10),
+        ("1T", 1 << 40),
+    ],
 )
 def test_sizes_parse_like_docker(text: object, expected: int) -> None:
     assert parse_size(text) == expected
@@ -66,7 +73,9 @@ def test_settings_come_from_env_over_file_and_describe_says_where(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = tmp_path / "config.toml"
-    cfg.write_text('base_image = "debian:trixie-slim"\nstate_dir = "/srv/state"\n[secrets]\nAPI_KEY = "s3cr3t"\n')
+    cfg.write_text(
+        'base_image = "debian:trixie-slim"\nstate_dir = "/srv/state"\n[secrets]\nAPI_KEY = "s3cr3t"\n'
+    )
     monkeypatch.setenv("SANDMAN_CONFIG", str(cfg))
     monkeypatch.setenv("SANDMAN_STATE_DIR", "/from/env")
     settings = Settings.load()

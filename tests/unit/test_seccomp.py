@@ -10,7 +10,9 @@ from sandman.seccomp import CLONE_NEWUSER, Relaxation, build_profile, render
 
 def test_shipped_profile_matches_the_generator() -> None:
     shipped = resources.seccomp_profile_path().read_text()
-    assert shipped == render(build_profile()), "run: python -m sandman.seccomp > policies/seccomp/sandman.json"
+    assert shipped == render(build_profile()), (
+        "run: python -m sandman.seccomp > policies/seccomp/sandman.json"
+    )
 
 
 def _rules(profile: dict, name: str) -> list[dict]:  # type: ignore[type-arg]
@@ -24,10 +26,29 @@ def test_default_is_deny_with_eperm() -> None:
 
 def test_dangerous_syscalls_are_not_allowed() -> None:
     p = build_profile()
-    allowed = {n for r in p["syscalls"] if r["action"] == "SCMP_ACT_ALLOW" and not r["args"] for n in r["names"]}
-    for name in ("keyctl", "add_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
-                 "kexec_load", "init_module", "finit_module", "open_by_handle_at", "setns", "reboot",
-                 "unshare", "clone", "clone3", "fsopen", "move_mount", "open_tree"):
+    allowed = {
+        n for r in p["syscalls"] if r["action"] == "SCMP_ACT_ALLOW" and not r["args"] for n in r["names"]
+    }
+    for name in (
+        "keyctl",
+        "add_key",
+        "bpf",
+        "perf_event_open",
+        "userfaultfd",
+        "io_uring_setup",
+        "kexec_load",
+        "init_module",
+        "finit_module",
+        "open_by_handle_at",
+        "setns",
+        "reboot",
+        "unshare",
+        "clone",
+        "clone3",
+        "fsopen",
+        "move_mount",
+        "open_tree",
+    ):
         assert name not in allowed, name
 
 

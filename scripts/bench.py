@@ -1,0 +1,180 @@
+"""sandman's benchmarks: every figure is a ratio against a baseline measured in the same run.
+
+  run-cold     `sandman run -- true` (new sandbox each time, image cached, controller warm)
+               vs `docker run --rm --network=none <same image> true`
+  run-first    the same with a controller that has to start first (what a first call costs)
+  teardown     SIGTERM to `sandman run` of a command that ignores SIGTERM -> sandman exited and
+               the container gone
+
+Usage: scripts/bench [--runs N] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SANDMAN = [str(ROOT / ".venv" / "bin" / "sandman")]
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> float:
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    elapsed = time.perf_counter() - t0
+    if res.returncode != 0:
+        sys.exit(f"bench: {' '.join(cmd)} failed ({res.returncode}): {res.stderr.decode()[-500:]}")
+    return elapsed
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        "median_s": round(statistics.median(ordered), 4),
+        "p90_s": round(ordered[int(0.9 * (len(ordered) - 1))], 4),
+        "min_s": round(ordered[0], 4),
+        "max_s": round(ordered[-1], 4),
+        "n": len(ordered),
+    }
+
+
+def workspace(base: Path) -> Path:
+    ws = base / "ws"
+    ws.mkdir()
+    if os.geteuid() == 0:
+        os.chown(ws, 1000, 1000)
+    return ws
+
+
+def agent_image(env: dict[str, str], ws: Path) -> str:
+    out = subprocess.run(
+        [*SANDMAN, "image", "build", "--workspace", str(ws), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return str(json.loads(out.stdout)["image"])
+
+
+def bench_run(env: dict[str, str], ws: Path, image: str, runs: int) -> dict[str, object]:
+    ours, base = [], []
+    sandman_cmd = [*SANDMAN, "run", "--workspace", str(ws), "--", "true"]
+    docker_cmd = ["docker", "run", "--rm", "--network=none", image, "true"]
+    timed(sandman_cmd, env)  # warm the controller and the probe marker
+    timed(docker_cmd)
+    for _ in range(runs):  # interleaved, so drift hits both alike
+        ours.append(timed(sandman_cmd, env))
+        base.append(timed(docker_cmd))
+    s, b = summary(ours), summary(base)
+    return {"sandman": s, "baseline_docker_run": b, "ratio_median": round(s["median_s"] / b["median_s"], 3)}
+
+
+def bench_first(env: dict[str, str], ws: Path, tmp: Path, runs: int) -> dict[str, object]:
+    samples = []
+    for i in range(runs):
+        fresh = {**env, "SANDMAN_RUNTIME_DIR": str(tmp / f"first-{i}"), "SANDMAN_CONTROLLER_IDLE_S": "5"}
+        samples.append(timed([*SANDMAN, "run", "--workspace", str(ws), "--", "true"], fresh))
+    return {"sandman_first_call": summary(samples)}
+
+
+def bench_teardown(env: dict[str, str], ws: Path, runs: int) -> dict[str, object]:
+    import docker
+
+    api = docker.APIClient(version="auto")
+    samples = []
+    for i in range(runs):
+        marker = ws / f"ready-{i}"
+        proc = subprocess.Popen(
+            [
+                *SANDMAN,
+                "run",
+                "--workspace",
+                str(ws),
+                "--",
+                "sh",
+                "-c",
+                f"trap '' TERM INT; touch {marker.name}; exec sleep 600",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        while not marker.exists():
+            time.sleep(0.01)
+        session = [
+            c
+            for c in api.containers(filters={"label": "io.sandman.session"})
+            if any(m.get("Source") == str(ws) for m in c["Mounts"])
+        ]
+        t0 = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        while any(api.containers(all=True, filters={"id": c["Id"]}) for c in session):
+            time.sleep(0.005)
+        samples.append(time.perf_counter() - t0)
+    return {"teardown_sigterm_ignored": summary(samples), "target_s": 1.0}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--json", type=Path, default=ROOT / "bench-results" / "latest.json")
+    ns = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="sandman-bench-") as tmp_s:
+        tmp = Path(tmp_s)
+        os.chmod(tmp, 0o755)
+        env = {
+            **os.environ,
+            "SANDMAN_RUNTIME_DIR": str(tmp / "run"),
+            "SANDMAN_STATE_DIR": str(tmp / "state"),
+            "SANDMAN_CONTROLLER_IDLE_S": "60",
+        }
+        ws = workspace(tmp)
+        image = agent_image(env, ws)
+        results: dict[str, object] = {"image": image, "runs": ns.runs}
+        print(f"bench: image {image}, {ns.runs} runs each", file=sys.stderr)
+        results["run_cold"] = run = bench_run(env, ws, image, ns.runs)
+        print(
+            f"run-cold   sandman median {run['sandman']['median_s']:.3f}s  "  # type: ignore[index]
+            f"docker run median {run['baseline_docker_run']['median_s']:.3f}s  "  # type: ignore[index]
+            f"ratio {run['ratio_median']:.2f}  (target <= 1.5, goal <= 1.2)"
+        )
+        results["run_first"] = first = bench_first(env, ws, tmp, max(3, ns.runs // 5))
+        print(
+            f"run-first  sandman median {first['sandman_first_call']['median_s']:.3f}s "  # type: ignore[index]
+            f"(controller starting; vs docker run {run['baseline_docker_run']['median_s']:.3f}s)"
+        )  # type: ignore[index]
+        results["teardown"] = td = bench_teardown(env, ws, max(5, ns.runs // 2))
+        print(
+            f"teardown   SIGTERM-ignoring command gone after median "
+            f"{td['teardown_sigterm_ignored']['median_s']:.3f}s, "  # type: ignore[index]
+            f"max {td['teardown_sigterm_ignored']['max_s']:.3f}s (target < 1 s)"
+        )  # type: ignore[index]
+        subprocess.run([*SANDMAN, "--version"], env=env, capture_output=True)
+        sock = next((tmp / "run").glob("controller-*.sock"), None)
+        if sock:
+            import socket
+
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(sock))
+                s.sendall(b'{"op": "shutdown"}\n')
+                s.recv(64)
+    ns.json.parent.mkdir(parents=True, exist_ok=True)
+    ns.json.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"bench: results in {ns.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
