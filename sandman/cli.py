@@ -17,7 +17,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from sandman import __version__
-from sandman.errors import SandmanError
+from sandman.errors import SandmanError, UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -249,6 +249,285 @@ def image_prune(all_: bool, json_out: bool) -> None:
     for r in removed:
         click.echo(f"removed {r}")
     click.echo(f"{len(removed)} image(s) removed")
+
+
+def _since(text: str | None) -> float | None:
+    """'90s', '10m', '2h', '1d' ago, or an ISO timestamp, as epoch seconds."""
+    import re
+    import time
+    from datetime import datetime
+
+    if text is None:
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if m:
+        return time.time() - float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise UsageError(f"--since {text!r}: use a duration such as 10m, 2h, 1d or an ISO time") from None
+
+
+def _reconcile_quietly() -> None:
+    """Crash recovery on every session command: reap what a dead controller left behind."""
+    from sandman.reaper import reconcile
+    from sandman.runner import Runner
+
+    runner = Runner()
+    reconcile(runner.api, runner.state, runner.settings.runtime_dir)
+
+
+@app.group()
+def session() -> None:
+    """Long-lived sandboxes: create once, exec many times."""
+
+
+@session.command("create")
+@click.option("-w", "--workspace", type=click.Path(path_type=Path), default=Path("."), show_default=True)
+@click.option("--campaign", help="Campaign name.")
+@click.option("--policy", help="Policy name (default, strict) or file.")
+@json_option
+def session_create(workspace: Path, campaign: str | None, policy: str | None, json_out: bool) -> None:
+    """Start a session; print its id. It lives until stopped or its idle/lifetime limit."""
+    from sandman.session import Sandbox
+
+    try:
+        _reconcile_quietly()
+        sb = Sandbox(workspace, policy=policy, campaign=campaign, progress=_progress, owned=False)
+    except SandmanError as exc:
+        _fail(exc)
+    if json_out:
+        _emit({"session_id": sb.id, "campaign": sb.record.campaign, "image": sb.record.image})
+    else:
+        click.echo(sb.id)
+
+
+@session.command("exec")
+@click.argument("session_id")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+@click.option("--timeout", type=click.FloatRange(min=0.001), help="Seconds before the exec's tree is killed.")
+@click.option("--cwd", help="Working directory, relative to the workspace.")
+@click.option("--stdin", "with_stdin", is_flag=True, help="Forward this process's stdin to the command.")
+@json_option
+def session_exec(
+    session_id: str,
+    command: tuple[str, ...],
+    timeout: float | None,
+    cwd: str | None,
+    with_stdin: bool,
+    json_out: bool,
+) -> None:
+    """Run COMMAND in session SESSION_ID and exit with its exit code.
+
+    Options go before --, the command after it:  sandman session exec ID --timeout 60 -- make test
+    """
+    from sandman.client import write_all
+    from sandman.session import ExecResult, Sandbox
+
+    try:
+        if not command:
+            raise UsageError("no command given: sandman session exec ID -- CMD")
+        sb = Sandbox.attach(session_id)
+        data = sys.stdin.buffer.read() if with_stdin else None
+        result = None
+        for item in sb.stream(list(command), timeout=timeout, cwd=cwd, stdin=data):
+            if isinstance(item, ExecResult):
+                result = item
+            else:
+                write_all(1 if item.stream == "stdout" else 2, item.data)
+    except SandmanError as exc:
+        _fail(exc)
+    assert result is not None
+    if json_out:
+        _emit(result.as_json(), compact=True)
+    sys.exit(result.exit_code)
+
+
+@session.command("shell")
+@click.argument("session_id")
+@click.option("--shell", "shell_cmd", default="/bin/bash", show_default=True)
+def session_shell(session_id: str, shell_cmd: str) -> None:
+    """An interactive shell in SESSION_ID (a pseudo-terminal inside both layers)."""
+    import shutil
+    import termios
+    import tty
+
+    from sandman.client import write_all
+    from sandman.session import ExecResult, Sandbox
+
+    if not sys.stdin.isatty():
+        _fail(UsageError("session shell needs a terminal; use `sandman session exec ID -- CMD` from scripts"))
+    size = shutil.get_terminal_size()
+
+    def keys() -> Any:
+        while True:
+            chunk = os.read(0, 4096)
+            if not chunk:
+                return
+            yield chunk
+
+    saved = termios.tcgetattr(0)
+    code = 1
+    try:
+        sb = Sandbox.attach(session_id)
+        tty.setraw(0)
+        for item in sb.stream([shell_cmd, "-i"], tty=(size.lines, size.columns), stdin=keys(), timeout=None):
+            if isinstance(item, ExecResult):
+                code = item.exit_code
+            else:
+                write_all(1, item.data)
+    except SandmanError as exc:
+        termios.tcsetattr(0, termios.TCSADRAIN, saved)
+        _fail(exc)
+    finally:
+        termios.tcsetattr(0, termios.TCSADRAIN, saved)
+    sys.exit(code)
+
+
+@session.command("ls")
+@click.option("--all", "all_", is_flag=True, help="Include ended sessions.")
+@json_option
+def session_ls(all_: bool, json_out: bool) -> None:
+    """List sessions (live ones unless --all)."""
+    from sandman.runner import Runner
+
+    try:
+        _reconcile_quietly()
+        records = [r for r in Runner().state.sessions(live_only=not all_) if r.kind in ("session", "pool")]
+    except SandmanError as exc:
+        _fail(exc)
+    if json_out:
+        _emit([r.as_json() for r in records])
+        return
+    import time
+
+    click.echo(f"{'ID':<17}{'STATE':<10}{'CAMPAIGN':<20}{'AGE':>8}  WORKSPACE")
+    for r in records:
+        age = f"{(time.time() - r.created) / 60:.0f}m"
+        click.echo(f"{r.id:<17}{r.state:<10}{r.campaign:<20}{age:>8}  {r.workspace}")
+
+
+@session.command("logs")
+@click.argument("session_id")
+@json_option
+def session_logs(session_id: str, json_out: bool) -> None:
+    """The session's events: creation, every exec and its cause, reports, refusals, stop."""
+    from sandman.runner import Runner
+
+    try:
+        events = Runner().state.events(session=session_id)
+    except SandmanError as exc:
+        _fail(exc)
+    if not events:
+        _fail(UsageError(f"no events for session {session_id!r}: see `sandman session ls --all`"))
+    _print_events(events, json_out)
+
+
+def _print_events(events: list[Any], json_out: bool) -> None:
+    from datetime import datetime
+
+    if json_out:
+        _emit([e.as_json() for e in events])
+        return
+    for e in events:
+        when = datetime.fromtimestamp(e.ts).strftime("%Y-%m-%d %H:%M:%S")
+        detail = " ".join(f"{k}={json.dumps(v)}" for k, v in e.detail.items())
+        click.echo(f"{when}  {e.session or '-':<16} {e.event:<16} {e.verdict:<8} {detail}")
+
+
+@session.command("stop")
+@click.argument("session_id", required=False)
+@click.option("--all", "all_", is_flag=True, help="Stop every live session.")
+@json_option
+def session_stop(session_id: str | None, all_: bool, json_out: bool) -> None:
+    """Stop a session (or --all): every process is killed at once, the container removed."""
+    from sandman.runner import Runner
+    from sandman.session import Sandbox
+
+    try:
+        if not session_id and not all_:
+            raise UsageError("name a session id, or pass --all")
+        ids = (
+            [session_id]
+            if session_id
+            else [r.id for r in Runner().state.sessions(live_only=True) if r.kind in ("session", "pool")]
+        )
+        stopped = []
+        for sid in ids:
+            assert sid is not None
+            Sandbox.attach(sid).close()
+            stopped.append(sid)
+    except SandmanError as exc:
+        _fail(exc)
+    if json_out:
+        _emit({"stopped": stopped})
+    else:
+        for sid in stopped:
+            click.echo(f"stopped {sid}")
+
+
+@session.command("update")
+@click.argument("session_id")
+@click.option("--cpus", type=click.FloatRange(min=0.01))
+@click.option("--memory", help="New memory cap (memory+swap), e.g. 1g.")
+@click.option("--pids", type=click.IntRange(min=16))
+@json_option
+def session_update(
+    session_id: str, cpus: float | None, memory: str | None, pids: int | None, json_out: bool
+) -> None:
+    """Change a running session's CPU, memory or pids caps in place (docker update)."""
+    from sandman.policy import cli_size
+    from sandman.session import Sandbox
+
+    try:
+        sb = Sandbox.attach(session_id)
+        sb.update(cpus=cpus, memory=cli_size(memory, "--memory") if memory else None, pids=pids)
+    except SandmanError as exc:
+        _fail(exc)
+    limits = json.loads(sb.record.limits)
+    limits.pop("campaign_env", None)
+    if json_out:
+        _emit({"session_id": session_id, "limits": limits})
+    else:
+        click.echo(f"{session_id}: " + ", ".join(f"{k}={v}" for k, v in limits.items()))
+
+
+@app.command()
+@json_option
+def gc(json_out: bool) -> None:
+    """Reconcile with the engine: reap orphaned containers and runtime dirs, mark lost sessions."""
+    from sandman.reaper import reconcile
+    from sandman.runner import Runner
+
+    try:
+        runner = Runner()
+        report = reconcile(runner.api, runner.state, runner.settings.runtime_dir)
+    except SandmanError as exc:
+        _fail(exc)
+    if json_out:
+        _emit(report.as_json())
+        return
+    click.echo(
+        f"removed {len(report.removed_containers)} container(s), "
+        f"{len(report.removed_runtime_dirs)} runtime dir(s); marked {len(report.marked)} session(s)"
+    )
+    for sid, state in report.marked.items():
+        click.echo(f"  {sid}: {state}")
+
+
+@app.command()
+@click.option("--session", "session_id", help="Only this session's events.")
+@click.option("--since", help="Only events newer than this (10m, 2h, 1d, or an ISO time).")
+@json_option
+def audit(session_id: str | None, since: str | None, json_out: bool) -> None:
+    """The audit log: sessions, execs with their exit cause, refusals, violations. No secrets."""
+    from sandman.runner import Runner
+
+    try:
+        events = Runner().state.events(session=session_id, since=_since(since))
+    except SandmanError as exc:
+        _fail(exc)
+    _print_events(events, json_out)
 
 
 @app.group()

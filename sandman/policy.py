@@ -8,6 +8,7 @@ file, the key and the reason.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import tomllib
 from enum import StrEnum
@@ -67,8 +68,9 @@ class Resources(_Strict):
     tmpfs_inodes: int = Field(default=65536, ge=64)
     max_file_size: Size = Field(default=4 << 30, description="RLIMIT_FSIZE of every process")
     open_files: int = Field(default=4096, ge=64)
-    exec_timeout_s: float | None = Field(default=3600.0, gt=0)
-    session_timeout_s: float | None = Field(default=86400.0, gt=0)
+    exec_timeout_s: float | None = Field(default=3600.0, gt=0, description="per exec / run")
+    idle_timeout_s: float | None = Field(default=1800.0, gt=0, description="a session with no exec ends")
+    session_timeout_s: float | None = Field(default=86400.0, gt=0, description="absolute session lifetime")
 
     @model_validator(mode="after")
     def _tmpfs_below_memory(self) -> Resources:
@@ -111,6 +113,15 @@ def _first_error(exc: ValidationError) -> str:
 
 def default_policy_path() -> Path:
     return resources.policies_dir() / "default.toml"
+
+
+def load_named_policy(name_or_path: str | os.PathLike[str]) -> Policy:
+    """A shipped policy by name ("default", "strict") or a policy file by path."""
+    text = os.fspath(name_or_path)
+    shipped = resources.policies_dir() / f"{text}.toml"
+    if "/" not in text and not text.endswith(".toml") and shipped.is_file():
+        return load_policy(shipped)
+    return load_policy(Path(text))
 
 
 def load_policy(path: Path | None = None) -> Policy:

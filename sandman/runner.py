@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -29,6 +30,7 @@ from sandman.errors import SandboxError, UsageError, WorkspaceError
 from sandman.image import ImageManager, Progress, load_campaign
 from sandman.policy import Policy, load_policy
 from sandman.settings import Settings
+from sandman.state import SessionRecord, SessionState, StateStore
 from sandman.workspace import Workspace, resolve_workspace
 
 if TYPE_CHECKING:
@@ -93,6 +95,15 @@ class Cancel:
             kill()
 
 
+def process_start(pid: int) -> float | None:
+    """The start time (clock ticks since boot) of ``pid``: tells a live owner from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return float(stat.rsplit(")", 1)[1].split()[19])
+
+
 def new_session_id() -> str:
     return "sm-" + secrets.token_hex(6)
 
@@ -152,6 +163,13 @@ class Runner:
         self.settings = settings or Settings.load()
         self.progress = progress
         self._api = api
+        self._state: StateStore | None = None
+
+    @property
+    def state(self) -> StateStore:
+        if self._state is None:
+            self._state = StateStore(self.settings.state_dir)
+        return self._state
 
     @property
     def api(self) -> docker.APIClient:
@@ -271,6 +289,28 @@ class Runner:
         spec = self.container_spec(command, ws, campaign, image, policy, session_id, runtime_dir, env)
         kwargs = container_kwargs(spec)
         kwargs["labels"]["io.sandman.kind"] = kind
+        res = policy.resources
+        self.state.add_session(
+            SessionRecord(
+                id=session_id,
+                kind=kind,
+                campaign=campaign,
+                workspace=str(ws.path),
+                image=image,
+                policy_hash=policy.digest(),
+                container_id=None,
+                runtime_dir=str(runtime_dir),
+                state=SessionState.STARTING.value,
+                owner_pid=os.getpid(),
+                owner_start=process_start(os.getpid()),
+                pool=None,
+                uid=ws.uid,
+                gid=ws.gid,
+                limits=json.dumps({"cpus": res.cpus, "memory": res.memory, "pids": res.pids}),
+                created=time.time(),
+                last_used=time.time(),
+            )
+        )
         container_id: str | None = None
         timed_out = threading.Event()
         timer: threading.Timer | None = None
@@ -279,6 +319,7 @@ class Runner:
             with signals_cancel(cancel):
                 try:
                     container_id = engine_retry(api.create_container)(**kwargs)["Id"]
+                    self.state.update_session(session_id, container_id=container_id, state="running")
                     cancel.arm(functools.partial(self._kill, container_id))
                     stream = api.attach(
                         container_id, stdout=True, stderr=True, stream=True, logs=True, demux=True
@@ -318,7 +359,20 @@ class Runner:
             if container_id is not None:
                 self._remove(container_id)
             shutil.rmtree(runtime_dir, ignore_errors=True)
-        return RunResult(exit_code, cause, time.monotonic() - started, session_id)
+            self.state.end_session(session_id, SessionState.STOPPED, cause.value)
+        duration = time.monotonic() - started
+        if kind != "probe":
+            self.state.audit(
+                session_id,
+                "run",
+                "ok",
+                argv=list(command),
+                campaign=campaign,
+                exit_code=exit_code,
+                cause=cause.value,
+                duration_s=round(duration, 4),
+            )
+        return RunResult(exit_code, cause, duration, session_id)
 
     def _kill(self, container_id: str) -> None:
         import docker.errors

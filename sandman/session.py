@@ -1,0 +1,495 @@
+"""Sessions: long-lived sandboxes you create once and exec in many times.
+
+The session container's main process is sandman's supervisor (images/base/supervisor.py), which
+listens on a control socket in the session's runtime dir. An exec is one Unix-socket round trip
+to it plus bubblewrap's start, not a ``docker exec``. The socket's directory is bound into the
+container but never into the bubblewrap layer, so the agent cannot reach it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sandman import bwrap, resources
+from sandman.engine import ContainerSpec, container_kwargs, engine_retry
+from sandman.errors import SandboxError, SandmanError, UsageError
+from sandman.policy import Policy
+from sandman.runner import TINI, ExitCause, Runner, make_runtime_dir, new_session_id, process_start
+from sandman.settings import Settings
+from sandman.state import SessionRecord, SessionState, StateStore
+from sandman.workspace import Workspace, resolve_workspace
+
+if TYPE_CHECKING:
+    import docker
+
+SUPERVISOR = "/usr/lib/sandman/supervisor.py"
+CONTROL_DIR = "control"
+CONTROL_SOCK = "ctl.sock"
+HEADER = struct.Struct(">cI")
+READY_TIMEOUT_S = 30.0
+EXIT_IDLE, EXIT_LIFETIME = 3, 4
+
+
+class SessionNotFound(UsageError):
+    exit_code = 6
+
+
+class SessionGone(SandmanError):
+    """The session exists in state but its sandbox is no longer running."""
+
+    exit_code = 6
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    cause: ExitCause
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "exit_code": self.exit_code,
+            "cause": self.cause.value,
+            "duration_s": round(self.duration_s, 4),
+        }
+
+
+@dataclass(frozen=True)
+class Output:
+    """One chunk of a streaming exec: ``stream`` is "stdout" or "stderr"."""
+
+    stream: str
+    data: bytes
+
+
+@dataclass
+class _Limits:
+    cpus: float
+    memory: int
+    pids: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def owner_alive(pid: int | None, start: float | None) -> bool:
+    if pid is None:
+        return True  # not owned by a process: lives until stopped or expired
+    return process_start(pid) == start
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the session supervisor closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+class Sandbox:
+    """A session: ``with Sandbox(workspace=...) as sb: sb.exec([...])``.
+
+    >>> with Sandbox(workspace=ws) as sb:                      # doctest: +SKIP
+    ...     sb.exec(["sh", "-c", "echo hi"]).stdout
+    b'hi\\n'
+    """
+
+    def __init__(
+        self,
+        workspace: str | os.PathLike[str] | None = None,
+        *,
+        policy: Policy | str | os.PathLike[str] | None = None,
+        campaign: str | None = None,
+        settings: Settings | None = None,
+        progress: Callable[[str], None] | None = None,
+        owned: bool = True,
+        kind: str = "session",
+        _record: SessionRecord | None = None,
+        _runner: Runner | None = None,
+    ) -> None:
+        self.settings = settings or Settings.load()
+        self._runner = _runner or Runner(self.settings, progress or (lambda _m: None))
+        self.state = StateStore(self.settings.state_dir)
+        if _record is not None:  # attach
+            self.record = _record
+            self.policy = self._runner.policy(None) if policy is None else _as_policy(self._runner, policy)
+            self.workspace = Workspace(Path(_record.workspace), _record.uid, _record.gid)
+            return
+        if workspace is None:
+            raise UsageError("a workspace is required to create a session")
+        self.policy = self._runner.policy(None) if policy is None else _as_policy(self._runner, policy)
+        self.workspace = resolve_workspace(workspace)
+        self.record = self._create(campaign, owned, kind)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def api(self) -> docker.APIClient:
+        return self._runner.api
+
+    def _create(self, campaign_name: str | None, owned: bool, kind: str) -> SessionRecord:
+        from sandman.image import load_campaign
+
+        camp = load_campaign(self.workspace.path, campaign_name)
+        image = self._runner.images().ensure(camp, self._runner.progress)
+        self._runner.ensure_probe(image, self.workspace, self.policy)
+        self._campaign_env = dict(camp.spec.env)
+        session_id = new_session_id()
+        runtime_dir = make_runtime_dir(self.settings, session_id, self.workspace)
+        control = runtime_dir / CONTROL_DIR
+        control.mkdir(mode=0o700)
+        if os.geteuid() == 0:
+            os.chown(control, self.workspace.uid, self.workspace.gid)
+        res = self.policy.resources
+        command = [
+            TINI,
+            "--",
+            "python3",
+            "-I",
+            "-S",
+            SUPERVISOR,
+            "--socket",
+            f"/run/sandman/{CONTROL_DIR}/{CONTROL_SOCK}",
+        ]
+        if res.idle_timeout_s:
+            command += ["--idle", str(res.idle_timeout_s)]
+        if res.session_timeout_s:
+            command += ["--lifetime", str(res.session_timeout_s)]
+        spec = ContainerSpec(
+            image=image,
+            command=command,
+            session_id=session_id,
+            campaign=camp.name,
+            workspace=str(self.workspace.path),
+            runtime_dir=str(runtime_dir),
+            uid=self.workspace.uid,
+            gid=self.workspace.gid,
+            resources=res,
+            seccomp_profile=resources.seccomp_profile_path().read_text(),
+            runtime=self.policy.runtime,
+        )
+        kwargs = container_kwargs(spec)
+        kwargs["labels"]["io.sandman.kind"] = kind
+        limits = _Limits(res.cpus, res.memory, res.pids, {"campaign_env": self._campaign_env})
+        now = time.time()
+        rec = SessionRecord(
+            id=session_id,
+            kind=kind,
+            campaign=camp.name,
+            workspace=str(self.workspace.path),
+            image=image,
+            policy_hash=self.policy.digest(),
+            container_id=None,
+            runtime_dir=str(runtime_dir),
+            state=SessionState.STARTING.value,
+            owner_pid=os.getpid() if owned else None,
+            owner_start=process_start(os.getpid()) if owned else None,
+            pool=None,
+            uid=self.workspace.uid,
+            gid=self.workspace.gid,
+            limits=json.dumps(
+                {"cpus": limits.cpus, "memory": limits.memory, "pids": limits.pids, **limits.extra}
+            ),
+            created=now,
+            last_used=now,
+        )
+        self.state.add_session(rec)
+        try:
+            container_id = engine_retry(self.api.create_container)(**kwargs)["Id"]
+            rec.container_id = container_id
+            self.state.update_session(session_id, container_id=container_id)
+            engine_retry(self.api.start)(container_id)
+            self._wait_ready(container_id, runtime_dir / CONTROL_DIR / CONTROL_SOCK)
+        except BaseException as exc:
+            self._teardown(rec, SessionState.STOPPED, f"failed to start: {exc!r}"[:200])
+            if isinstance(exc, SandmanError):
+                raise
+            import docker.errors
+
+            if isinstance(exc, docker.errors.APIError):
+                raise SandboxError(
+                    f"the engine refused the session container: {exc.explanation or exc}"
+                ) from None
+            raise
+        rec.state = SessionState.RUNNING.value
+        self.state.update_session(session_id, state=rec.state)
+        self.state.audit(
+            session_id,
+            "session.create",
+            campaign=camp.name,
+            image=image,
+            kind=kind,
+            workspace=str(self.workspace.path),
+            policy=self.policy.name,
+        )
+        return rec
+
+    def _wait_ready(self, container_id: str, sock_path: Path) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sock_path.exists():
+                with contextlib.suppress(OSError, ConnectionError):
+                    self._control({"op": "ping"}, sock_path)
+                    return
+            state = self.api.inspect_container(container_id)["State"]
+            if not state.get("Running"):
+                logs = self.api.logs(container_id, stdout=True, stderr=True, tail=20).decode(errors="replace")
+                raise SandboxError(f"the session supervisor exited during start: {logs.strip()[-400:]}")
+            time.sleep(0.01)
+        raise SandboxError(f"the session supervisor did not answer within {READY_TIMEOUT_S:.0f}s")
+
+    @property
+    def _sock_path(self) -> Path:
+        return Path(self.record.runtime_dir) / CONTROL_DIR / CONTROL_SOCK
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(self._sock_path))
+        except OSError:
+            sock.close()
+            raise SessionGone(f"session {self.id} is not running (its supervisor does not answer)") from None
+        return sock
+
+    def _control(self, request: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with sock:
+            sock.settimeout(10)
+            sock.connect(str(path or self._sock_path))
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            _kind, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
+            result: dict[str, Any] = json.loads(_recv_exact(sock, length))
+            return result
+
+    def close(self) -> None:
+        """Stop the session: kill every process (no SIGTERM grace), remove the container."""
+        self._teardown(self.record, SessionState.STOPPED, "closed")
+
+    def _teardown(self, rec: SessionRecord, state: SessionState, reason: str) -> None:
+        import shutil
+
+        import docker.errors
+
+        if rec.container_id:
+            with contextlib.suppress(docker.errors.NotFound):
+                engine_retry(self.api.remove_container)(rec.container_id, force=True, v=True)
+        shutil.rmtree(rec.runtime_dir, ignore_errors=True)
+        if self.state.end_session(rec.id, state, reason):
+            self.state.audit(rec.id, "session.stop", state=state.value, reason=reason)
+        rec.state = state.value
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @classmethod
+    def attach(cls, session_id: str, settings: Settings | None = None) -> Sandbox:
+        """A handle on a running session, from any process."""
+        settings = settings or Settings.load()
+        store = StateStore(settings.state_dir)
+        rec = store.get_session(session_id)
+        store.close()
+        if rec is None:
+            raise SessionNotFound(f"no session {session_id!r}: see `sandman session ls`")
+        if not SessionState(rec.state).live:
+            raise SessionGone(f"session {session_id} has ended ({rec.state}: {rec.end_reason})")
+        return cls(settings=settings, _record=rec)
+
+    # -- exec ---------------------------------------------------------------------------------
+    def _exec_env(self, env: Mapping[str, str] | None) -> dict[str, str]:
+        limits = json.loads(self.record.limits)
+        extra = dict(limits.get("campaign_env") or {})
+        extra.update({"SANDMAN_SESSION": self.id, "SANDMAN_CAMPAIGN": self.record.campaign})
+        if env:
+            for key in env:
+                if key.startswith("SANDMAN_"):
+                    raise UsageError(f"environment variable {key}: the SANDMAN_* namespace is reserved")
+            extra.update(env)
+        return bwrap.base_env(extra)
+
+    def _cwd(self, cwd: str | os.PathLike[str] | None) -> str:
+        if cwd is None:
+            return bwrap.WORKSPACE
+        text = os.fspath(cwd)
+        if "\x00" in text:
+            raise UsageError("cwd contains a NUL byte")
+        root = self.workspace.path
+        candidate = Path(text)
+        if candidate.is_absolute() and candidate.is_relative_to(bwrap.WORKSPACE):
+            candidate = root / candidate.relative_to(bwrap.WORKSPACE)
+        real = (root / candidate).resolve()
+        if not real.is_relative_to(root):
+            raise UsageError(f"cwd {text!r} escapes the workspace")
+        if not real.is_dir():
+            raise UsageError(f"cwd {text!r} is not a directory in the workspace")
+        return str(Path(bwrap.WORKSPACE) / real.relative_to(root))
+
+    def stream(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | Iterator[bytes] | None = None,
+        tty: tuple[int, int] | None = None,
+    ) -> Iterator[Output | ExecResult]:
+        """Run ``argv``; yield Output chunks as they come, then the ExecResult.
+
+        ``stdin`` is bytes or an iterator of chunks (an interactive terminal); ``tty`` = (rows,
+        cols) runs the command on a pseudo-terminal, stdout and stderr merged."""
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise UsageError("argv must be a non-empty list of strings")
+        if any("\x00" in a for a in argv):
+            raise UsageError("argv contains a NUL byte")
+        if timeout is None:
+            timeout = self.policy.resources.exec_timeout_s
+        layer2 = bwrap.bwrap_argv(bwrap.BwrapSpec(command=argv, env=self._exec_env(env), cwd=self._cwd(cwd)))
+        request: dict[str, Any] = {
+            "op": "exec",
+            "argv": layer2,
+            "env": {},
+            "timeout": timeout,
+            "stdin": stdin is not None,
+        }
+        started = time.monotonic()
+        out, err = bytearray(), bytearray()
+        sock = self._connect()
+        with sock:
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            if stdin is not None:
+                threading.Thread(target=_feed_stdin, args=(sock, stdin), daemon=True).start()
+            while True:
+                try:
+                    kind, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
+                    payload = _recv_exact(sock, length)
+                except ConnectionError:
+                    raise SessionGone(f"session {self.id} stopped during the exec") from None
+                if kind == b"o":
+                    out += payload
+                    yield Output("stdout", payload)
+                elif kind == b"e":
+                    err += payload
+                    yield Output("stderr", payload)
+                elif kind == b"r":
+                    result = json.loads(payload)
+                    break
+        if "error" in result:
+            raise SandboxError(f"the session supervisor refused the exec: {result['error']}")
+        code = int(result["exit_code"])
+        if result.get("timed_out"):
+            cause, code = ExitCause.TIMEOUT, 124
+        elif result.get("killed"):
+            cause = ExitCause.KILLED
+        elif code == 137 and self._oom_killed():
+            cause = ExitCause.OOM
+        elif code in (137, 143):
+            cause = ExitCause.KILLED
+        else:
+            cause = ExitCause.EXIT
+        duration = time.monotonic() - started
+        self.state.touch(self.id)
+        self.state.audit(
+            self.id,
+            "exec",
+            "ok",
+            argv=list(argv),
+            exit_code=code,
+            cause=cause.value,
+            duration_s=round(duration, 4),
+        )
+        yield ExecResult(code, bytes(out), bytes(err), cause, duration)
+
+    def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | Iterator[bytes] | None = None,
+        on_output: Callable[[Output], None] | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` to completion inside both layers and return its result."""
+        for item in self.stream(argv, timeout=timeout, cwd=cwd, env=env, stdin=stdin):
+            if isinstance(item, ExecResult):
+                return item
+            if on_output is not None:
+                on_output(item)
+        raise SandboxError("the exec ended without a result")  # pragma: no cover
+
+    def _oom_killed(self) -> bool:
+        if not self.record.container_id:
+            return False
+        with contextlib.suppress(Exception):
+            return bool(self.api.inspect_container(self.record.container_id)["State"].get("OOMKilled"))
+        return False
+
+    # -- live changes -------------------------------------------------------------------------
+    def update(
+        self, *, cpus: float | None = None, memory: int | None = None, pids: int | None = None
+    ) -> None:
+        """Apply new CPU, memory (= memory+swap) or pids caps to the running container."""
+        body: dict[str, Any] = {}
+        if cpus is not None:
+            body["NanoCpus"] = int(cpus * 1e9)
+        if memory is not None:
+            body["Memory"] = body["MemorySwap"] = memory
+        if pids is not None:
+            body["PidsLimit"] = pids
+        if not body or not self.record.container_id:
+            return
+        import docker.errors
+
+        api = self.api
+        try:
+            res = api._post_json(api._url("/containers/{0}/update", self.record.container_id), data=body)
+            api._raise_for_status(res)
+        except docker.errors.APIError as exc:
+            raise UsageError(f"the engine refused the update: {exc.explanation or exc}") from None
+        limits = json.loads(self.record.limits)
+        limits.update(
+            {k: v for k, v in {"cpus": cpus, "memory": memory, "pids": pids}.items() if v is not None}
+        )
+        self.record.limits = json.dumps(limits)
+        self.state.update_session(self.id, limits=self.record.limits)
+        self.state.audit(self.id, "session.update", cpus=cpus, memory=memory, pids=pids)
+
+
+def _feed_stdin(sock: socket.socket, data: bytes | Iterator[bytes]) -> None:
+    chunks = (
+        (data[i : i + (1 << 16)] for i in range(0, len(data), 1 << 16)) if isinstance(data, bytes) else data
+    )
+    with contextlib.suppress(OSError):
+        for chunk in chunks:
+            sock.sendall(HEADER.pack(b"i", len(chunk)) + chunk)
+        sock.sendall(HEADER.pack(b"I", 0))
+
+
+def _as_policy(runner: Runner, policy: Policy | str | os.PathLike[str]) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    from sandman.policy import load_named_policy
+
+    return load_named_policy(policy)
