@@ -492,6 +492,160 @@ def session_update(
         click.echo(f"{session_id}: " + ", ".join(f"{k}={v}" for k, v in limits.items()))
 
 
+@app.group()
+def pool() -> None:
+    """Warm pools: fresh sandboxes kept ready for a campaign."""
+
+
+@pool.command("start")
+@click.option("-w", "--workspace", type=click.Path(path_type=Path), default=Path("."), show_default=True)
+@click.option("--size", type=click.IntRange(min=1, max=64), default=2, show_default=True)
+@click.option("--campaign", help="Campaign name.")
+@click.option("--policy", help="Policy name or file.")
+@click.option("--detach", is_flag=True, help="Keep the pool in a background process and return.")
+def pool_start(workspace: Path, size: int, campaign: str | None, policy: str | None, detach: bool) -> None:
+    """Keep SIZE fresh sandboxes ready; runs until Ctrl-C (or in the background with --detach)."""
+    import signal
+    import subprocess
+    import time
+
+    from sandman.pool import Pool
+
+    if detach:
+        args = (
+            [
+                sys.executable,
+                "-m",
+                "sandman",
+                "pool",
+                "start",
+                "-w",
+                os.path.abspath(workspace),
+                "--size",
+                str(size),
+            ]
+            + (["--campaign", campaign] if campaign else [])
+            + (["--policy", policy] if policy else [])
+        )
+        proc = subprocess.Popen(
+            args,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        click.echo(
+            f"pool maintainer started (pid {proc.pid}); stop it with `sandman pool stop -w {workspace}`"
+        )
+        return
+    try:
+        _reconcile_quietly()
+        p = Pool(workspace, size, policy=policy, campaign=campaign).start()
+    except SandmanError as exc:
+        _fail(exc)
+    _progress(f"pool ready: {p.ready()} sandbox(es) for {p.workspace.path}; Ctrl-C stops it")
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop:
+        time.sleep(0.2)
+    p.close()
+
+
+@pool.command("acquire")
+@click.option("-w", "--workspace", type=click.Path(path_type=Path), default=Path("."), show_default=True)
+@click.option("--campaign", help="Campaign name.")
+@click.option("--policy", help="Policy name or file.")
+@click.option("--timeout", type=float, default=60.0, show_default=True)
+@json_option
+def pool_acquire(
+    workspace: Path, campaign: str | None, policy: str | None, timeout: float, json_out: bool
+) -> None:
+    """Take a ready sandbox out of the pool; it becomes an ordinary session (stop it when done)."""
+    from sandman.image import load_campaign
+    from sandman.pool import acquire, pool_key
+    from sandman.runner import Runner
+    from sandman.session import _as_policy
+    from sandman.workspace import resolve_workspace
+
+    try:
+        runner = Runner()
+        ws = resolve_workspace(workspace)
+        pol = runner.policy(None) if policy is None else _as_policy(runner, policy)
+        key = pool_key(ws.path, load_campaign(ws.path, campaign).name, pol)
+        sb = acquire(key, runner.settings, timeout=timeout, owned=False)
+    except SandmanError as exc:
+        _fail(exc)
+    if json_out:
+        _emit({"session_id": sb.id})
+    else:
+        click.echo(sb.id)
+
+
+@pool.command("stop")
+@click.option("-w", "--workspace", type=click.Path(path_type=Path), help="Only this workspace's pool.")
+@json_option
+def pool_stop(workspace: Path | None, json_out: bool) -> None:
+    """Stop pool maintainers and destroy the sandboxes still waiting in their pools."""
+    import contextlib
+    import signal
+    import time
+
+    from sandman.runner import Runner
+    from sandman.session import Sandbox
+    from sandman.state import SessionState
+
+    try:
+        runner = Runner()
+        target = str(workspace.resolve()) if workspace else None
+
+        def pooled() -> list[Any]:
+            return [
+                r
+                for r in runner.state.sessions(live_only=True, kind="pool")
+                if r.state == SessionState.POOLED.value and (not target or r.workspace == target)
+            ]
+
+        # Maintainers first (they would refill), then whatever they left behind.
+        owners = {r.owner_pid for r in pooled() if r.owner_pid and r.owner_pid != os.getpid()}
+        for pid in owners:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while any(_pid_exists(pid) for pid in owners) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stopped = []
+        for rec in pooled():
+            Sandbox(settings=runner.settings, _record=rec, _runner=runner)._teardown(
+                rec, SessionState.STOPPED, "pool stopped"
+            )
+            stopped.append(rec.id)
+    except SandmanError as exc:
+        _fail(exc)
+    if json_out:
+        _emit({"stopped": stopped, "maintainers": sorted(owners)})
+    else:
+        click.echo(f"stopped {len(stopped)} pooled sandbox(es), {len(owners)} maintainer(s)")
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @app.command()
 @json_option
 def gc(json_out: bool) -> None:

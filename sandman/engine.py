@@ -27,6 +27,8 @@ LABEL_SESSION = "io.sandman.session"
 LABEL_CAMPAIGN = "io.sandman.campaign"
 LABEL_VERSION = "io.sandman.version"
 LABEL_KIND = "io.sandman.kind"
+# Which state store owns the container: reconcile only ever reaps its own store's containers.
+LABEL_STATE = "io.sandman.state"
 RUNTIME_DIR_IN_CONTAINER = "/run/sandman"
 LOG_MAX_SIZE = "10m"
 LOG_MAX_FILE = "2"
@@ -48,15 +50,23 @@ class ContainerSpec:
     seccomp_profile: str  # the JSON text of policies/seccomp/sandman.json
     runtime: Runtime = Runtime.RUNC
     env: Mapping[str, str] = field(default_factory=dict)
-    extra_labels: Mapping[str, str] = field(default_factory=dict)
+    state_id: str = ""
+    kind: str = "sandbox"
 
 
-def labels_for(session_id: str, campaign: str, kind: str = "sandbox") -> dict[str, str]:
+def state_id_for(state_dir: os.PathLike[str] | str) -> str:
+    import hashlib
+
+    return hashlib.sha256(os.path.realpath(state_dir).encode()).hexdigest()[:12]
+
+
+def labels_for(session_id: str, campaign: str, kind: str = "sandbox", state_id: str = "") -> dict[str, str]:
     return {
         LABEL_SESSION: session_id,
         LABEL_CAMPAIGN: campaign,
         LABEL_VERSION: __version__,
         LABEL_KIND: kind,
+        LABEL_STATE: state_id,
     }
 
 
@@ -109,7 +119,7 @@ def container_kwargs(spec: ContainerSpec) -> dict[str, Any]:
         "user": f"{spec.uid}:{spec.gid}",
         "environment": env,
         "working_dir": WORKSPACE,
-        "labels": {**labels_for(spec.session_id, spec.campaign), **spec.extra_labels},
+        "labels": labels_for(spec.session_id, spec.campaign, spec.kind, spec.state_id),
         "hostname": "sandman",
         "stdin_open": False,
         "tty": False,

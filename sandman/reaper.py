@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sandman.engine import LABEL_SESSION
+from sandman.engine import LABEL_SESSION, LABEL_STATE, state_id_for
 from sandman.state import SessionState, StateStore
 
 if TYPE_CHECKING:
@@ -41,8 +41,10 @@ def reconcile(api: docker.APIClient, store: StateStore, runtime_root: Path) -> R
     from sandman.session import owner_alive
 
     report = ReconcileReport()
+    mine = f"{LABEL_STATE}={state_id_for(store.path.parent)}"
     containers = {
-        c["Labels"][LABEL_SESSION]: c for c in api.containers(all=True, filters={"label": LABEL_SESSION})
+        c["Labels"][LABEL_SESSION]: c
+        for c in api.containers(all=True, filters={"label": [LABEL_SESSION, mine]})
     }
     records = {r.id: r for r in store.sessions(live_only=True)}
 

@@ -8,6 +8,7 @@ even when the command ignores SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -25,7 +26,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from sandman import bwrap, resources
-from sandman.engine import ContainerSpec, connect, container_kwargs, engine_retry
+from sandman.engine import ContainerSpec, connect, container_kwargs, engine_retry, state_id_for
 from sandman.errors import SandboxError, UsageError, WorkspaceError
 from sandman.image import ImageManager, Progress, load_campaign
 from sandman.policy import Policy, load_policy
@@ -263,6 +264,7 @@ class Runner:
             resources=policy.resources,
             seccomp_profile=resources.seccomp_profile_path().read_text(),
             runtime=policy.runtime,
+            state_id=state_id_for(self.settings.state_dir),
         )
 
     def _run_container(
@@ -287,8 +289,7 @@ class Runner:
         started = time.monotonic()
         runtime_dir = make_runtime_dir(self.settings, session_id, ws)
         spec = self.container_spec(command, ws, campaign, image, policy, session_id, runtime_dir, env)
-        kwargs = container_kwargs(spec)
-        kwargs["labels"]["io.sandman.kind"] = kind
+        kwargs = container_kwargs(dataclasses.replace(spec, kind=kind))
         res = policy.resources
         self.state.add_session(
             SessionRecord(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sandman import bwrap, resources
-from sandman.engine import ContainerSpec, container_kwargs, engine_retry
+from sandman.engine import ContainerSpec, container_kwargs, engine_retry, state_id_for
 from sandman.errors import SandboxError, SandmanError, UsageError
 from sandman.policy import Policy
 from sandman.runner import TINI, ExitCause, Runner, make_runtime_dir, new_session_id, process_start
@@ -186,9 +186,10 @@ class Sandbox:
             resources=res,
             seccomp_profile=resources.seccomp_profile_path().read_text(),
             runtime=self.policy.runtime,
+            state_id=state_id_for(self.settings.state_dir),
+            kind=kind,
         )
         kwargs = container_kwargs(spec)
-        kwargs["labels"]["io.sandman.kind"] = kind
         limits = _Limits(res.cpus, res.memory, res.pids, {"campaign_env": self._campaign_env})
         now = time.time()
         rec = SessionRecord(

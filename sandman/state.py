@@ -166,6 +166,23 @@ class StateStore:
             )
             return cur.rowcount == 1
 
+    def claim_pooled(
+        self, pool: str, owner_pid: int | None, owner_start: float | None
+    ) -> SessionRecord | None:
+        """Atomically take the oldest ready sandbox of ``pool`` out of it (None when empty)."""
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT id FROM sessions WHERE state = ? AND pool = ? AND ended IS NULL ORDER BY created LIMIT 1",
+                (SessionState.POOLED.value, pool),
+            ).fetchone()
+            if row is None:
+                return None
+            db.execute(
+                "UPDATE sessions SET state = ?, owner_pid = ?, owner_start = ?, last_used = ? WHERE id = ?",
+                (SessionState.RUNNING.value, owner_pid, owner_start, time.time(), row[0]),
+            )
+        return self.get_session(row[0])
+
     def touch(self, session_id: str) -> None:
         self._db.execute("UPDATE sessions SET last_used = ? WHERE id = ?", (time.time(), session_id))
 

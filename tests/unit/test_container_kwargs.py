@@ -29,6 +29,7 @@ def spec(**changes: object) -> ContainerSpec:
             open_files=2048,
         ),
         seccomp_profile='{"defaultAction": "SCMP_ACT_ERRNO"}',
+        state_id="0123abcd4567",
     )
     base.update(changes)
     return ContainerSpec(**base)  # type: ignore[arg-type]
@@ -50,6 +51,7 @@ def test_container_kwargs_exact_output() -> None:
             "io.sandman.campaign": "demo",
             "io.sandman.version": __version__,
             "io.sandman.kind": "sandbox",
+            "io.sandman.state": "0123abcd4567",
         },
         "hostname": "sandman",
         "stdin_open": False,
