@@ -172,7 +172,8 @@ class StateStore:
         """Atomically take the oldest ready sandbox of ``pool`` out of it (None when empty)."""
         with self._tx() as db:
             row = db.execute(
-                "SELECT id FROM sessions WHERE state = ? AND pool = ? AND ended IS NULL ORDER BY created LIMIT 1",
+                "SELECT id FROM sessions WHERE state = ? AND pool = ? AND ended IS NULL "
+                "ORDER BY created LIMIT 1",
                 (SessionState.POOLED.value, pool),
             ).fetchone()
             if row is None:
