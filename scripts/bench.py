@@ -5,6 +5,11 @@
   run-first    the same with a controller that has to start first (what a first call costs)
   teardown     SIGTERM to `sandman run` of a command that ignores SIGTERM -> sandman exited and
                the container gone
+  exec         `true` through both layers in a live session (Sandbox.exec)
+               vs docker-py `exec_run("true")` in a bare container of the same image
+  create       Sandbox() (image cached) vs `docker run -d` of the same image
+  pool         Pool.acquire() (target median <= 50 ms)
+  concurrent   32 sessions created and used at once: all succeed; throughput and our memory
 
 Usage: scripts/bench [--runs N] [--json FILE]
 """
@@ -124,6 +129,114 @@ def bench_teardown(env: dict[str, str], ws: Path, runs: int) -> dict[str, object
     return {"teardown_sigterm_ignored": summary(samples), "target_s": 1.0}
 
 
+def bench_exec(ws: Path, image: str, runs: int) -> dict[str, object]:
+    import docker
+
+    from sandman.session import Sandbox
+
+    client = docker.from_env()
+    bare = client.containers.run(
+        image, ["sleep", "infinity"], detach=True, network_mode="none", labels={"io.sandman.bench": "1"}
+    )
+    ours, base = [], []
+    try:
+        with Sandbox(ws) as sb:
+            for _ in range(5):  # warm both paths
+                sb.exec(["true"])
+                bare.exec_run(["true"])
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                res = sb.exec(["true"])
+                ours.append(time.perf_counter() - t0)
+                assert res.exit_code == 0
+                t0 = time.perf_counter()
+                bare.exec_run(["true"])
+                base.append(time.perf_counter() - t0)
+    finally:
+        bare.remove(force=True)
+    s, b = summary(ours), summary(base)
+    return {
+        "sandman_exec": s,
+        "baseline_exec_run": b,
+        "ratio_median": round(s["median_s"] / b["median_s"], 3),
+    }
+
+
+def bench_create(ws: Path, image: str, runs: int) -> dict[str, object]:
+    from sandman.session import Sandbox
+
+    ours, base = [], []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        sb = Sandbox(ws)
+        ours.append(time.perf_counter() - t0)
+        sb.close()
+        t0 = time.perf_counter()
+        cid = subprocess.run(
+            [
+                "docker",
+                "run",
+                "-d",
+                "--network=none",
+                "--label",
+                "io.sandman.bench=1",
+                image,
+                "sleep",
+                "infinity",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        base.append(time.perf_counter() - t0)
+        subprocess.run(["docker", "rm", "-f", cid], capture_output=True, check=True)
+    s, b = summary(ours), summary(base)
+    return {
+        "sandman_session_create": s,
+        "baseline_docker_run_d": b,
+        "ratio_median": round(s["median_s"] / b["median_s"], 3),
+    }
+
+
+def bench_pool(ws: Path, runs: int) -> dict[str, object]:
+    from sandman.pool import Pool
+
+    samples = []
+    with Pool(ws, size=2) as pool:
+        for _ in range(runs):
+            deadline = time.monotonic() + 60
+            while pool.ready() < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            t0 = time.perf_counter()
+            sb = pool.acquire()
+            samples.append(time.perf_counter() - t0)
+            pool.release(sb)
+    return {"pool_acquire": summary(samples), "target_median_s": 0.05}
+
+
+def bench_concurrent(ws: Path, n: int = 32) -> dict[str, object]:
+    import resource
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sandman.session import Sandbox
+
+    def one(i: int) -> bool:
+        with Sandbox(ws) as sb:
+            return sb.exec(["sh", "-c", f"echo {i}"]).stdout == f"{i}\n".encode()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, range(n)))
+    elapsed = time.perf_counter() - t0
+    return {
+        "sessions": n,
+        "succeeded": sum(results),
+        "wall_s": round(elapsed, 2),
+        "sessions_per_s": round(n / elapsed, 2),
+        "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -161,7 +274,30 @@ def main() -> int:
             f"{td['teardown_sigterm_ignored']['median_s']:.3f}s, "  # type: ignore[index]
             f"max {td['teardown_sigterm_ignored']['max_s']:.3f}s (target < 1 s)"
         )  # type: ignore[index]
-        subprocess.run([*SANDMAN, "--version"], env=env, capture_output=True)
+        os.environ.update({k: env[k] for k in ("SANDMAN_RUNTIME_DIR", "SANDMAN_STATE_DIR")})
+        results["exec"] = ex = bench_exec(ws, image, max(ns.runs * 4, 40))
+        print(
+            f"exec       sandman median {_median_ms(ours_of(ex, 'sandman_exec'))}ms  "
+            f"docker-py exec_run median {_median_ms(ours_of(ex, 'baseline_exec_run'))}ms  "
+            f"ratio {ex['ratio_median']:.2f}  (target <= 0.5)"
+        )
+        results["create"] = cr = bench_create(ws, image, max(5, ns.runs // 2))
+        print(
+            f"create     Sandbox() median {cr['sandman_session_create']['median_s']:.3f}s  "  # type: ignore[index]
+            f"docker run -d median {cr['baseline_docker_run_d']['median_s']:.3f}s  "  # type: ignore[index]
+            f"ratio {cr['ratio_median']:.2f}"
+        )
+        results["pool"] = po = bench_pool(ws, max(10, ns.runs))
+        print(
+            f"pool       acquire median {po['pool_acquire']['median_s'] * 1000:.1f}ms "  # type: ignore[index]
+            f"p90 {po['pool_acquire']['p90_s'] * 1000:.1f}ms (target <= 50 ms; "  # type: ignore[index]
+            f"baseline: a cold Sandbox() above)"
+        )
+        results["concurrent"] = co = bench_concurrent(ws)
+        print(
+            f"concurrent {co['succeeded']}/{co['sessions']} sessions ok in {co['wall_s']}s "
+            f"({co['sessions_per_s']} sessions/s), bench process max RSS {co['max_rss_mb']} MB"
+        )
         sock = next((tmp / "run").glob("controller-*.sock"), None)
         if sock:
             import socket
