@@ -3,12 +3,9 @@ live updates, attach from another process, crash recovery and the warm pool."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -173,44 +170,21 @@ def test_idle_timeout_ends_the_session(
     assert not containers_of(engine, box.id)
 
 
-CRASH_SCRIPT = textwrap.dedent("""
-    import sys, time
-    from sandman.session import Sandbox
-    sb = Sandbox(sys.argv[1])
-    print(sb.id, flush=True)
-    for i in range(100):
-        if i == 50:
-            print("mid", flush=True)
-            sb.exec(["sh", "-c", "sleep 300"])   # killed -9 in here
-        sb.exec(["true"])
-""")
-
-
 def test_kill_9_of_the_owning_process_mid_exec_then_gc_leaves_nothing(
-    engine: object, agent_image: str, workspace: Path, settings: Settings, tmp_path: Path
+    engine: object, agent_image: str, workspace: Path, settings: Settings
 ) -> None:
+    """The issue's must-show, as a script users can run: scripts/crash_demo.py."""
     (workspace / "keep.txt").write_text("precious")
-    script = tmp_path / "crash.py"
-    script.write_text(CRASH_SCRIPT)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(workspace)], stdout=subprocess.PIPE, text=True, env=dict(os.environ)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "crash_demo.py"
+    res = subprocess.run(
+        [sys.executable, str(script), str(workspace)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=300,
     )
-    assert proc.stdout is not None
-    session_id = proc.stdout.readline().strip()
-    assert proc.stdout.readline().strip() == "mid"
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert containers_of(engine, session_id)  # the crash left it behind...
-    gc = subprocess.run([*SANDMAN, "gc", "--json"], capture_output=True, text=True, env=dict(os.environ))
-    assert gc.returncode == 0, gc.stderr
-    report = json.loads(gc.stdout)
-    assert report["marked"] == {session_id: "stopped"}
-    assert not containers_of(engine, session_id)  # ...and gc reaped it
-    assert not list(settings.runtime_dir.glob("sm-*"))
-    store = StateStore(settings.state_dir)
-    events = [e.event for e in store.events(session=session_id)]
-    assert events[0] == "session.create" and events.count("exec") == 50 and events[-1] == "session.reconcile"
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[FAIL]" not in res.stdout and res.stdout.count("[pass]") == 6
     assert (workspace / "keep.txt").read_text() == "precious"
 
 
