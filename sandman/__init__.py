@@ -1,4 +1,59 @@
 """sandman: run untrusted commands (AI coding agents) in a hardened container with a bubblewrap
-layer inside, with narrow audited upcalls to the host."""
+layer inside, with narrow audited upcalls to the host.
+
+The public API is imported lazily, so ``import sandman`` stays cheap for the CLI's fast path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Sandbox": "sandman.session",
+    "ExecResult": "sandman.session",
+    "Output": "sandman.session",
+    "Pool": "sandman.pool",
+    "Runner": "sandman.runner",
+    "RunResult": "sandman.runner",
+    "ExitCause": "sandman.runner",
+    "Policy": "sandman.policy",
+    "load_policy": "sandman.policy",
+    "Settings": "sandman.settings",
+    "SandmanError": "sandman.errors",
+    "UsageError": "sandman.errors",
+    "WorkspaceError": "sandman.errors",
+    "ConfigError": "sandman.errors",
+    "EngineUnavailable": "sandman.errors",
+    "ImageError": "sandman.errors",
+    "SandboxError": "sandman.errors",
+}
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from sandman.errors import (
+        ConfigError,
+        EngineUnavailable,
+        ImageError,
+        SandboxError,
+        SandmanError,
+        UsageError,
+        WorkspaceError,
+    )
+    from sandman.policy import Policy, load_policy
+    from sandman.pool import Pool
+    from sandman.runner import ExitCause, Runner, RunResult
+    from sandman.session import ExecResult, Output, Sandbox
+    from sandman.settings import Settings
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sandman' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
