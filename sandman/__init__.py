@@ -29,7 +29,26 @@ _EXPORTS = {
     "ImageError": "sandman.errors",
     "SandboxError": "sandman.errors",
 }
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [  # noqa: RUF022 - grouped as _EXPORTS
+    "__version__",
+    "Sandbox",
+    "ExecResult",
+    "Output",
+    "Pool",
+    "Runner",
+    "RunResult",
+    "ExitCause",
+    "Policy",
+    "load_policy",
+    "Settings",
+    "SandmanError",
+    "UsageError",
+    "WorkspaceError",
+    "ConfigError",
+    "EngineUnavailable",
+    "ImageError",
+    "SandboxError",
+]
 
 if TYPE_CHECKING:
     from sandman.errors import (
