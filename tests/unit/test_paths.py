@@ -1,0 +1,360 @@
+"""Host-side path rules: escapes, symlinks and deny globs, each refused with the reason."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from sandman.errors import ConfigError, UsageError
+from sandman.paths import (
+    DEFAULT_ALLOW,
+    DEFAULT_DENY,
+    DEFAULT_PROTECTED,
+    Denied,
+    PathDenied,
+    denied_by,
+    find_denied,
+    validate_path,
+)
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    root = tmp_path / "ws"
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "app.py").write_text("print()\n")
+    (root / "ok.txt").write_text("ok\n")
+    (root / ".env").write_text("SECRET=1\n")
+    (root / ".env.example").write_text("SECRET=\n")
+    (root / ".git").mkdir()
+    (root / ".git" / "config").write_text("[core]\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("rel", "rule"),
+    [
+        (".env", ".env"),
+        ("sub/.env", ".env"),
+        ("a/b/c/.env", ".env"),
+        (".env.local", ".env.*"),
+        ("config/.env.production", ".env.*"),
+        ("credentials.json", "**/credentials.json"),
+        ("config/credentials.json", "**/credentials.json"),
+        ("my_secret.txt", "**/*secret*"),
+        ("deep/dir/secrets/readme.md", "**/*secret*"),  # a denied directory covers its contents
+        ("db_password", "**/*password*"),
+        ("server.pem", "**/*.pem"),
+        ("certs/server.pem", "**/*.pem"),
+        ("tls/private.key", "**/*.key"),
+        ("id_rsa", "id_rsa"),
+        ("home/id_rsa", "id_rsa"),
+        ("id_ed25519", "id_ed25519"),
+        (".ssh", ".ssh"),
+        (".ssh/known_hosts", ".ssh"),
+        ("vendor/.ssh/config", ".ssh"),
+        (".git/config", ".git/config"),
+        ("./.env", ".env"),
+        (".env.example/id_rsa", "id_rsa"),  # an allowed directory does not un-deny its contents
+        (".ssh/.env.example", ".ssh"),  # nor can allow re-include under a denied directory
+    ],
+)
+def test_denied_by_default_rules(rel: str, rule: str) -> None:
+    assert denied_by(rel, DEFAULT_DENY, DEFAULT_ALLOW) == rule
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [
+        ".env.example",
+        "sub/.env.sample",
+        ".env.template",
+        "environment.py",
+        "env",
+        ".envrc",
+        "keys.txt",
+        "src/keymap.py",
+        "id_rsa.pub",
+        "README.md",
+        ".git/configs",  # anchored glob, whole component: .git/config only
+        "sub/.git/config",  # anchored at the workspace root; a nested repo's config is not the host's
+        ".git/HEAD",
+        "Secret.txt",  # case-sensitive
+        "SERVER.PEM",
+        "",
+        ".",
+    ],
+)
+def test_not_denied_by_default_rules(rel: str) -> None:
+    assert denied_by(rel) is None
+
+
+@pytest.mark.parametrize(
+    ("rel", "deny", "allow", "expected"),
+    [
+        ("build/out.bin", ("/build",), (), "/build"),  # a leading / anchors
+        ("src/build/out.bin", ("/build",), (), None),
+        ("logs/", ("logs/",), (), "logs/"),  # a trailing / is ignored
+        ("a/b/c/d.txt", ("a/**/d.txt",), (), "a/**/d.txt"),
+        ("a/d.txt", ("a/**/d.txt",), (), "a/**/d.txt"),  # ** is zero or more components
+        ("x/a/d.txt", ("a/**/d.txt",), (), None),
+        ("x/y/data/dump.sql", ("**/data/*.sql",), (), "**/data/*.sql"),
+        ("data/x/dump.sql", ("**/data/*.sql",), (), None),  # * never crosses a /
+        ("certs/dev.pem", ("*.pem",), ("certs/dev.pem",), None),  # allow wins on the same path
+        ("certs/prod.pem", ("*.pem",), ("certs/dev.pem",), "*.pem"),
+        ("x.txt", ("*",), ("x.txt",), None),
+    ],
+)
+def test_glob_semantics(
+    rel: str, deny: tuple[str, ...], allow: tuple[str, ...], expected: str | None
+) -> None:
+    assert denied_by(rel, deny, allow) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "/", "a//b", "../x", "a/./b"])
+def test_bad_globs_are_config_errors(bad: str) -> None:
+    with pytest.raises(ConfigError, match="path glob"):
+        denied_by("x", (bad,), ())
+
+
+def test_a_single_string_is_not_taken_for_a_list_of_globs() -> None:
+    with pytest.raises(TypeError):
+        denied_by("x", ".env", ())  # a str is a Sequence[str] to mypy, so only runtime can catch it
+
+
+def test_protected_paths_are_exported() -> None:
+    assert DEFAULT_PROTECTED == (".git/hooks", ".git/config")
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("ok.txt", "ok.txt"),
+        ("src/app.py", "src/app.py"),
+        ("./src/../ok.txt", "ok.txt"),
+        (".", ""),
+        (".env.example", ".env.example"),
+        ("new/dir/file.txt", "new/dir/file.txt"),  # does not exist yet: fine without must_exist
+        ("environment.py", "environment.py"),
+    ],
+)
+def test_allowed_relative_paths_resolve_inside(ws: Path, given: str, expected: str) -> None:
+    assert validate_path(ws, given) == ws.resolve() / expected
+
+
+def test_absolute_path_inside_is_allowed(ws: Path) -> None:
+    assert validate_path(ws, ws / "src" / "app.py", must_exist=True) == ws / "src" / "app.py"
+    assert validate_path(ws, str(ws)) == ws
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("../outside.txt", "escapes the workspace"),
+        ("src/../../outside.txt", "escapes the workspace"),
+        ("/etc/passwd", "escapes the workspace"),
+        ("../ws-evil/x", "escapes the workspace"),  # the sibling-prefix trick
+        ("a\x00b", "NUL byte"),
+        ("", "empty"),
+        (".env", "denied by rule '.env'"),
+        ("sub/.env", "denied by rule '.env'"),
+        ("config/credentials.json", "denied by rule '\\*\\*/credentials.json'"),
+        ("my_secret.txt", "denied by rule '\\*\\*/\\*secret\\*'"),
+        ("server.pem", "denied by rule '\\*\\*/\\*.pem'"),
+        ("id_rsa", "denied by rule 'id_rsa'"),
+        (".ssh/known_hosts", "denied by rule '.ssh'"),
+        (".git/config", "denied by rule '.git/config'"),
+    ],
+)
+def test_refused_paths(ws: Path, given: str, message: str) -> None:
+    (ws.parent / "ws-evil").mkdir()
+    (ws.parent / "ws-evil" / "x").write_text("evil\n")
+    with pytest.raises(PathDenied, match=message) as info:
+        validate_path(ws, given)
+    assert info.value.exit_code == 5
+    assert isinstance(info.value, UsageError)
+
+
+def test_sibling_prefix_absolute_path_is_refused(ws: Path) -> None:
+    evil = ws.parent / "ws-evil"
+    evil.mkdir()
+    (evil / "x").write_text("evil\n")
+    assert str(evil).startswith(str(ws))  # the string-prefix check this guards against would pass
+    with pytest.raises(PathDenied, match="escapes the workspace"):
+        validate_path(ws, evil / "x")
+
+
+@pytest.mark.parametrize(
+    ("links", "given"),
+    [
+        ({"passwd": "/etc/passwd"}, "passwd"),
+        ({"up": ".."}, "up/ws/../other.txt"),
+        ({"etc": "/etc"}, "etc/passwd"),
+        ({"etc": "/etc"}, "etc/does-not-exist"),
+        ({"dangling": "/nonexistent/target"}, "dangling"),
+        ({"a": "b", "b": "c", "c": "/etc/passwd"}, "a"),  # a chain ending outside
+        ({"a": "src/b", "src/b": "../c", "c": "/etc"}, "a/hostname"),
+        ({"sibling": "../ws-evil"}, "sibling"),
+    ],
+)
+def test_symlinks_pointing_outside_are_refused(ws: Path, links: dict[str, str], given: str) -> None:
+    (ws.parent / "ws-evil").mkdir()
+    for name, target in links.items():
+        (ws / name).symlink_to(target)
+    with pytest.raises(PathDenied, match="is a symlink that points outside the workspace \\(-> /"):
+        validate_path(ws, given)
+
+
+@pytest.mark.parametrize(
+    ("links", "given", "message"),
+    [
+        ({"ok.link": ".env"}, "ok.link", "resolves to '.env', which is denied by rule '.env'"),
+        ({"innocent": ".git"}, "innocent/config", "resolves to '.git/config', which is denied"),
+        ({"src/cfg": "../.ssh"}, "src/cfg/id", "resolves to '.ssh/id', which is denied by rule '.ssh'"),
+        ({".env": "ok.txt"}, ".env", "is denied by rule '.env'"),
+        ({"id_rsa": "ok.txt"}, "id_rsa", "is denied by rule 'id_rsa'"),
+        ({"loop": "loop2", "loop2": "loop"}, "loop", "symlink loop"),
+    ],
+)
+def test_symlinks_to_and_named_like_denied_paths_are_refused(
+    ws: Path, links: dict[str, str], given: str, message: str
+) -> None:
+    (ws / ".env").unlink()
+    (ws / ".ssh").mkdir()
+    for name, target in links.items():
+        (ws / name).symlink_to(target)
+    with pytest.raises(PathDenied, match=message):
+        validate_path(ws, given)
+
+
+def test_symlink_inside_the_workspace_resolves(ws: Path) -> None:
+    (ws / "app").symlink_to("src/app.py")
+    assert validate_path(ws, "app", must_exist=True) == ws / "src" / "app.py"
+
+
+def test_symlinked_workspace_accepts_both_spellings(ws: Path, tmp_path: Path) -> None:
+    link = tmp_path / "ws-link"
+    link.symlink_to(ws)
+    assert validate_path(link, "ok.txt") == ws / "ok.txt"
+    assert validate_path(link, ws / "ok.txt") == ws / "ok.txt"
+    assert validate_path(ws, link / "ok.txt") == ws / "ok.txt"
+    with pytest.raises(PathDenied, match="denied by rule '.env'"):
+        validate_path(link, link / ".env")
+
+
+def test_must_exist(ws: Path) -> None:
+    assert validate_path(ws, "missing.txt") == ws / "missing.txt"
+    with pytest.raises(UsageError, match="does not exist in the workspace") as info:
+        validate_path(ws, "missing.txt", must_exist=True)
+    assert not isinstance(info.value, PathDenied)
+
+
+def test_custom_rules_replace_the_defaults(ws: Path) -> None:
+    assert validate_path(ws, ".env", deny=()) == ws / ".env"
+    with pytest.raises(PathDenied, match="denied by rule 'src'"):
+        validate_path(ws, "src/app.py", deny=("src",))
+    assert validate_path(ws, "src/app.py", deny=("src",), allow=("src",)) == ws / "src" / "app.py"
+
+
+def _tree(root: Path) -> None:
+    files = [
+        ".env",
+        ".env.example",
+        "README.md",
+        "src/app.py",
+        "src/config/credentials.json",
+        "src/config/settings.py",
+        "deploy/certs/server.pem",
+        "deploy/certs/server.crt",
+        "secrets/a.txt",
+        "secrets/nested/b.txt",
+        ".ssh/id_rsa",
+        ".git/config",
+        ".git/HEAD",
+        ".git/objects/ab/cdef",
+        ".git/objects/secret-looking",
+        "node_modules/pkg/.env",
+        "lib/.env.local",
+    ]
+    for rel in files:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x\n")
+    (root / "node_modules" / "my_password_dir").mkdir()
+    (root / "link-to-env").symlink_to(".env")  # innocent name, denied target: validate_path's job
+    (root / "id_ed25519").symlink_to("/etc/passwd")  # denied name: masked whatever it points at
+    (root / "outside").symlink_to("/etc")  # never followed
+    (root / "lib" / "api.key").mkdir()  # a directory named like a denied file
+
+
+def test_find_denied_on_a_real_tree(tmp_path: Path) -> None:
+    root = tmp_path / "ws"
+    root.mkdir()
+    _tree(root)
+    scan = find_denied(root)
+    found = {(p.relative_to(scan.root).as_posix(), is_dir) for p, is_dir in scan.paths}
+    assert found == {
+        (".env", False),
+        ("src/config/credentials.json", False),
+        ("deploy/certs/server.pem", False),
+        ("secrets", True),  # masked as a whole; not descended into
+        (".ssh", True),
+        (".git/config", False),
+        ("lib/.env.local", False),
+        ("lib/api.key", True),
+        ("id_ed25519", False),  # a symlink: is_dir False, never followed
+    }
+    # node_modules and .git/objects are checked by name but not walked into: what is inside them
+    # (node_modules/my_password_dir, node_modules/pkg/.env) is not reported.
+    assert not any("node_modules/" in str(p) or "objects/" in str(p) for p, _ in scan.paths)
+    assert not scan.truncated
+    assert scan.unreadable == ()
+    assert all(isinstance(d, Denied) for d in scan.paths)
+    assert scan.root == root.resolve()
+
+
+def test_find_denied_stops_at_the_limit_breadth_first(tmp_path: Path) -> None:
+    root = tmp_path / "ws"
+    (root / "deep" / "deeper").mkdir(parents=True)
+    for i in range(50):
+        (root / "deep" / "deeper" / f"f{i}.txt").write_text("x")
+    (root / "deep" / "deeper" / "z.pem").write_text("x")
+    (root / ".env").write_text("x")
+    scan = find_denied(root, limit=10)
+    assert scan.truncated and scan.scanned == 10
+    assert [p.name for p, _ in scan.paths] == [".env"]  # shallow entries come first
+    full = find_denied(root, limit=1000)
+    assert not full.truncated and full.scanned == 54
+    assert {p.name for p, _ in full.paths} == {".env", "z.pem"}
+
+
+def test_find_denied_through_a_symlinked_workspace(tmp_path: Path) -> None:
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / ".env").write_text("x")
+    link = tmp_path / "link"
+    link.symlink_to(root)
+    scan = find_denied(link)
+    assert scan.root == root.resolve()
+    assert scan.paths == (Denied(root.resolve() / ".env", False),)
+
+
+def test_find_denied_on_20k_files_is_fast(tmp_path: Path) -> None:
+    root = tmp_path / "ws"
+    for d in range(200):
+        sub = root / f"pkg{d}" / "mod"
+        sub.mkdir(parents=True)
+        for f in range(100):
+            (sub / f"file{f}.py").write_text("")
+    (root / "pkg7" / "mod" / ".env").write_text("x")
+    start = time.perf_counter()
+    scan = find_denied(root, limit=50_000)
+    elapsed = time.perf_counter() - start
+    assert scan.scanned == 200 * 2 + 200 * 100 + 1
+    assert [p.name for p, _ in scan.paths] == [".env"]
+    # Generous for slow CI machines; measured about 0.1 s on a laptop-class host.
+    assert elapsed < 5.0, f"find_denied took {elapsed:.2f}s on {scan.scanned} entries"
+    if os.environ.get("SANDMAN_PRINT_TIMINGS"):
+        print(f"find_denied: {scan.scanned} entries in {elapsed * 1000:.0f} ms")
