@@ -16,6 +16,7 @@ WORKSPACE = "/workspace"
 HOME = "/home/agent"
 TOOLS_DIR = "/opt/sandman/tools"
 SANDBOX_PATH = f"{TOOLS_DIR}/bin:/usr/local/bin:/usr/bin:/bin"
+ENV_FILE = "/run/sandman-env"  # where layer 2 sees the private env file; the shim reads, unsets
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,11 @@ class BwrapSpec:
     home: str = HOME
     # Existing container paths bound read-only (tools dir, upcall dir, ...), in order.
     ro_binds: Sequence[str] = (TOOLS_DIR,)
+    # Denied workspace paths: (container path, is_dir); files get /dev/null, dirs an empty tmpfs.
+    masks: Sequence[tuple[str, bool]] = ()
+    read_only: Sequence[str] = ()  # protected workspace paths, re-bound read-only
+    writable: Sequence[str] = ()  # extra paths bound read-write at the same place
+    env_file: str | None = None  # container path of the private env file (secrets, passthrough)
 
 
 def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -62,10 +68,21 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
         "--tmpfs", spec.home,
         "--bind", spec.workspace, spec.workspace,
     ]  # fmt: skip
+    for path, is_dir in spec.masks:
+        argv += ["--tmpfs", path, "--remount-ro", path] if is_dir else ["--ro-bind", "/dev/null", path]
+    for path in spec.read_only:
+        argv += ["--ro-bind", path, path]
+    for path in spec.writable:
+        argv += ["--bind", path, path]
     for path in spec.ro_binds:
         argv += ["--ro-bind-try", path, path]
+    if spec.env_file:
+        argv += ["--ro-bind", spec.env_file, ENV_FILE]
     argv += ["--chdir", spec.cwd]
-    for key, value in sorted(spec.env.items()):
+    env = dict(spec.env)
+    if spec.env_file:
+        env["SANDMAN_ENV_FILE"] = ENV_FILE
+    for key, value in sorted(env.items()):
         argv += ["--setenv", key, value]
     argv += ["--", SANDBOX_EXEC, *spec.command]
     return argv

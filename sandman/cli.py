@@ -104,6 +104,8 @@ def run(
         "memory": memory,
         "pids": pids,
         "timeout": timeout,
+        # The policy's passthrough variables come from the caller's environment, not the controller's.
+        "env": dict(os.environ),
     }
     if os.environ.get("SANDMAN_IN_PROCESS") == "1":
         code, result, error = _run_in_process(args)
@@ -125,13 +127,15 @@ def _run_in_process(args: dict[str, Any]) -> tuple[int, dict[str, Any] | None, s
     from sandman.client import write_all
     from sandman.policy import cli_size
     from sandman.runner import Runner
+    from sandman.workspace import resolve_workspace
 
     def sink(fd: int) -> Callable[[bytes], None]:
         return lambda data: write_all(fd, data)
 
     try:
         runner = Runner(progress=_progress)
-        pol = runner.policy(Path(args["policy"]) if args["policy"] else None)
+        ws = resolve_workspace(args["workspace"])
+        pol = runner.policy(Path(args["policy"]) if args["policy"] else None, ws.path)
         mem = cli_size(args["memory"], "--memory") if args["memory"] else None
         pol = pol.with_resources(cpus=args["cpus"], memory=mem, pids=args["pids"])
         res = runner.run(
@@ -576,7 +580,7 @@ def pool_acquire(
     try:
         runner = Runner()
         ws = resolve_workspace(workspace)
-        pol = runner.policy(None) if policy is None else _as_policy(runner, policy)
+        pol = runner.policy(None, ws.path) if policy is None else _as_policy(runner, policy, ws.path)
         key = pool_key(ws.path, load_campaign(ws.path, campaign).name, pol)
         sb = acquire(key, runner.settings, timeout=timeout, owned=False)
     except SandmanError as exc:
@@ -682,6 +686,99 @@ def audit(session_id: str | None, since: str | None, json_out: bool) -> None:
     except SandmanError as exc:
         _fail(exc)
     _print_events(events, json_out)
+
+
+@app.group("policy")
+def policy_group() -> None:
+    """Inspect, check and explain policies."""
+
+
+@policy_group.command("show")
+@click.option(
+    "-w", "--workspace", type=click.Path(path_type=Path), help="Include this workspace's campaign policy."
+)
+@click.option("--policy", help="Operator policy name (default, strict) or file.")
+@json_option
+def policy_show(workspace: Path | None, policy: str | None, json_out: bool) -> None:
+    """The effective policy, with the source of every value."""
+    from sandman.policy import effective_policy, flatten, named_policy_path
+    from sandman.settings import Settings
+    from sandman.workspace import resolve_workspace
+
+    try:
+        settings = Settings.load()
+        ws = resolve_workspace(workspace).path if workspace else None
+        operator = named_policy_path(policy) if policy else settings.default_policy
+        eff = effective_policy(operator, ws)
+    except SandmanError as exc:
+        _fail(exc)
+    values = flatten(eff.policy.model_dump(mode="json"))
+    if json_out:
+        _emit(
+            {
+                "files": [str(f) for f in eff.files],
+                "policy": eff.policy.model_dump(mode="json"),
+                "sources": eff.sources,
+            }
+        )
+        return
+    click.echo("# files: " + ", ".join(str(f) for f in eff.files))
+    width = max(len(k) for k in values)
+    for key, value in values.items():
+        click.echo(f"{key:<{width}}  {json.dumps(value)}   [{eff.sources.get(key, 'built-in default')}]")
+
+
+@policy_group.command("check")
+@click.argument("file", type=click.Path(path_type=Path))
+@json_option
+def policy_check(file: Path, json_out: bool) -> None:
+    """Validate a policy file (an operator's, or a campaign's .sandman/policy.toml)."""
+    from sandman.policy import CAMPAIGN_POLICY, effective_policy
+    from sandman.settings import Settings
+
+    try:
+        resolved = file.resolve()
+        if resolved.name == CAMPAIGN_POLICY.name and resolved.parent.name == CAMPAIGN_POLICY.parent.name:
+            eff = effective_policy(Settings.load().default_policy, resolved.parent.parent)
+        else:
+            eff = effective_policy(resolved)
+    except SandmanError as exc:
+        if json_out:
+            _emit({"ok": False, "error": str(exc)})
+        _fail(exc)
+    if json_out:
+        _emit({"ok": True, "name": eff.policy.name, "files": [str(f) for f in eff.files]})
+    else:
+        click.echo(f"{file}: ok (policy {eff.policy.name!r})")
+
+
+@policy_group.command("explain", context_settings={"allow_interspersed_args": False})
+@click.option("-w", "--workspace", type=click.Path(path_type=Path), default=Path("."), show_default=True)
+@click.option("--policy", help="Operator policy name or file.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+@json_option
+def policy_explain(workspace: Path, policy: str | None, command: tuple[str, ...], json_out: bool) -> None:
+    """Would COMMAND be allowed in WORKSPACE, and by which rule? Exit 0 allowed, 126 refused."""
+    from sandman.enforce import CommandRefused, check_argv
+    from sandman.policy import effective_policy, named_policy_path
+    from sandman.settings import Settings
+    from sandman.workspace import resolve_workspace
+
+    try:
+        ws = resolve_workspace(workspace)
+        operator = named_policy_path(policy) if policy else Settings.load().default_policy
+        pol = effective_policy(operator, ws.path).policy
+        check_argv(list(command), pol, ws)
+        verdict = {"allowed": True, "reason": "no rule refuses it"}
+    except CommandRefused as exc:
+        verdict = {"allowed": False, "reason": str(exc)}
+    except SandmanError as exc:
+        _fail(exc)
+    if json_out:
+        _emit({"command": list(command), **verdict})
+    else:
+        click.echo(("allowed: " if verdict["allowed"] else "refused: ") + str(verdict["reason"]))
+    sys.exit(0 if verdict["allowed"] else 126)
 
 
 @app.group()

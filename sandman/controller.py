@@ -29,6 +29,7 @@ from sandman.errors import SandmanError, UsageError
 from sandman.policy import cli_size
 from sandman.runner import Cancel, Runner
 from sandman.settings import Settings
+from sandman.workspace import resolve_workspace
 
 DEFAULT_IDLE_S = 900.0
 
@@ -113,7 +114,8 @@ class Handler(socketserver.StreamRequestHandler):
         try:
             settings = Settings.load()
             runner = self._runner(settings, lambda msg: send(protocol.PROGRESS, msg.encode()))
-            policy = runner.policy(Path(args["policy"]) if args.get("policy") else None)
+            ws = resolve_workspace(args.get("workspace") or ".")
+            policy = runner.policy(Path(args["policy"]) if args.get("policy") else None, ws.path)
             memory = args.get("memory")
             policy = policy.with_resources(
                 cpus=args.get("cpus"),
@@ -123,9 +125,13 @@ class Handler(socketserver.StreamRequestHandler):
             command = args.get("command")
             if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
                 raise UsageError("command must be a list of strings")
+            host_env = args.get("env")
+            if not isinstance(host_env, dict):
+                host_env = {}
             result = runner.run(
                 command,
-                args.get("workspace") or ".",
+                ws.path,
+                host_env={str(k): str(v) for k, v in host_env.items()},
                 policy=policy,
                 campaign=args.get("campaign"),
                 timeout=args.get("timeout"),

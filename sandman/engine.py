@@ -52,6 +52,7 @@ class ContainerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     state_id: str = ""
     kind: str = "sandbox"
+    extra_mounts: Sequence[tuple[str, str, bool]] = ()  # (host source, target, read-only)
 
 
 def state_id_for(state_dir: os.PathLike[str] | str) -> str:

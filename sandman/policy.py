@@ -1,7 +1,10 @@
-"""The policy: one typed, strict model that every layer reads (resources, network, runtime).
+"""The policy: one typed, strict model that every layer reads — files, commands, environment,
+secrets, resources, network, runtime and upcalls.
 
-Policies are TOML files: sandman's defaults live in ``policies/``; an operator names another with
-the ``default_policy`` setting or ``--policy``. Unknown keys are errors, and every error names the
+Policies are TOML files. The operator's policy is sandman's ``policies/default.toml``, the
+``default_policy`` setting, or ``--policy``; a campaign's ``<workspace>/.sandman/policy.toml`` is
+merged on top and may only tighten it, unless the operator grants more with
+``[campaign] may_loosen = ["section", ...]``. Unknown keys are errors; every error names the
 file, the key and the reason.
 """
 
@@ -11,14 +14,27 @@ import hashlib
 import os
 import re
 import tomllib
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from sandman import resources
+from sandman.commands import DEFAULT_COMMANDS, CommandsPolicy
+from sandman.envpolicy import EnvironmentPolicy
+from sandman.envpolicy import validate_policy as validate_env_policy
 from sandman.errors import ConfigError, UsageError
+from sandman.paths import DEFAULT_ALLOW, DEFAULT_DENY, DEFAULT_PROTECTED
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -82,13 +98,66 @@ class Resources(_Strict):
         return self
 
 
+class FilesystemPolicy(_Strict):
+    """What the sandbox may see of the workspace, and what else it gets."""
+
+    deny: list[str] = Field(default_factory=lambda: list(DEFAULT_DENY))
+    allow: list[str] = Field(default_factory=lambda: list(DEFAULT_ALLOW))
+    protected: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECTED))
+    writable: list[str] = Field(default_factory=list, description="extra host dirs, read-write")
+    tools_dir: str | None = Field(default=None, description="host dir of durable tools, read-only on PATH")
+    max_masks: int = Field(default=2000, ge=1, description="refuse workspaces with more denied paths")
+
+    @field_validator("writable", "tools_dir")
+    @classmethod
+    def _absolute(cls, value: Any) -> Any:
+        for item in value if isinstance(value, list) else [value] if value else []:
+            if not os.path.isabs(item) or "\x00" in item:
+                raise ValueError(f"{item!r} must be an absolute host path")
+        return value
+
+
+class SecretsPolicy(_Strict):
+    """Host-side secrets (from settings) injected into every command's environment by name."""
+
+    inject: list[str] = Field(default_factory=list)
+
+
+class UpcallsPolicy(_Strict):
+    """Which host helpers the session may call over the upcall socket, with their config."""
+
+    helpers: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class CampaignGrant(_Strict):
+    """Operator-only: sections a campaign's policy may loosen, not just tighten."""
+
+    may_loosen: list[
+        Literal["filesystem", "commands", "environment", "secrets", "resources", "upcalls", "runtime"]
+    ] = Field(default_factory=list)
+
+
 class Policy(_Strict):
     """Everything the sandbox obeys; the layers read only this model."""
 
     name: str = "default"
+    filesystem: FilesystemPolicy = FilesystemPolicy()
+    commands: CommandsPolicy = DEFAULT_COMMANDS
+    environment: EnvironmentPolicy = EnvironmentPolicy()
+    secrets: SecretsPolicy = SecretsPolicy()
     resources: Resources = Resources()
     network: Literal["none"] = "none"
     runtime: Runtime = Runtime.RUNC
+    upcalls: UpcallsPolicy = UpcallsPolicy()
+    campaign: CampaignGrant = CampaignGrant()
+
+    @model_validator(mode="after")
+    def _environment_consistent(self) -> Policy:
+        try:
+            validate_env_policy(self.environment)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
     def with_resources(self, **changes: Any) -> Policy:
         """A copy with some resource values replaced (CLI overrides), validated again."""
@@ -115,13 +184,13 @@ def default_policy_path() -> Path:
     return resources.policies_dir() / "default.toml"
 
 
-def load_named_policy(name_or_path: str | os.PathLike[str]) -> Policy:
-    """A shipped policy by name ("default", "strict") or a policy file by path."""
+def named_policy_path(name_or_path: str | os.PathLike[str]) -> Path:
+    """A shipped policy by name ("default", "strict"), else a policy file's path."""
     text = os.fspath(name_or_path)
     shipped = resources.policies_dir() / f"{text}.toml"
     if "/" not in text and not text.endswith(".toml") and shipped.is_file():
-        return load_policy(shipped)
-    return load_policy(Path(text))
+        return shipped
+    return Path(text)
 
 
 def load_policy(path: Path | None = None) -> Policy:
@@ -140,3 +209,172 @@ def load_policy(path: Path | None = None) -> Policy:
         return Policy.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{path}: {_first_error(exc)}") from None
+
+
+# -- layering: the operator's policy, then the campaign's, which may only tighten it -------------
+
+CAMPAIGN_POLICY = Path(".sandman") / "policy.toml"
+_ADDITIVE = (
+    "filesystem.deny",
+    "filesystem.protected",
+    "environment.refuse_names",
+    "environment.refuse_patterns",
+)
+_ADDITIVE_RULE_KEYS = ("blocked", "blocked_subcommands")
+
+
+@dataclass(frozen=True)
+class EffectivePolicy:
+    """The policy every layer obeys, with where each value came from."""
+
+    policy: Policy
+    sources: dict[str, str]  # dotted key -> "built-in default" | "<kind> <file>"
+    files: tuple[Path, ...]
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: policy file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read policy: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def _validate(data: dict[str, Any], path: Path) -> Policy:
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {_first_error(exc)}") from None
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys to leaf values (lists are leaves)."""
+    if not isinstance(data, dict) or (prefix and not data):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _is_additive(key: str) -> bool:
+    parts = key.split(".")
+    return key in _ADDITIVE or (
+        len(parts) == 4 and parts[0] == "commands" and parts[1] == "rules" and parts[3] in _ADDITIVE_RULE_KEYS
+    )
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if dotted == "upcalls.helpers":
+            merged[key] = value  # replaced as a whole, then checked as a subset
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value, dotted)
+        elif _is_additive(dotted) and isinstance(value, list):
+            merged[key] = list(dict.fromkeys([*(merged.get(key) or []), *value]))
+        else:
+            merged[key] = value
+    return merged
+
+
+def _at(policy: Policy, dotted: str) -> Any:
+    value: Any = policy.model_dump(mode="python")
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _loosening(key: str, op: Policy, cp: Policy) -> str | None:
+    """Why the campaign's value for ``key`` is looser than the operator's (None: it is not)."""
+    section = key.split(".")[0]
+    old, new = _at(op, key), _at(cp, key)
+    if section == "resources":
+        if old is None:
+            return None
+        if new is None or new > old:
+            return f"operator: {old}, campaign: {new}"
+        return None
+    if key == "runtime":
+        return (
+            None
+            if new == old or (old == Runtime.RUNC and new == Runtime.RUNSC)
+            else "gVisor cannot be dropped"
+        )
+    if key == "filesystem.max_masks":
+        return None if new <= old else f"operator: {old}, campaign: {new}"
+    if key == "filesystem.tools_dir":
+        return None if new in (None, old) else "a campaign cannot choose host directories"
+    if key in ("filesystem.allow", "filesystem.writable", "environment.passthrough", "secrets.inject"):
+        extra = sorted(set(new or []) - set(old or []))
+        return f"not granted by the operator: {', '.join(map(repr, extra))}" if extra else None
+    if key == "commands.allow":
+        if old is None:
+            return None
+        extra = sorted(set(new or []) - set(old)) if new is not None else ["(any program)"]
+        return f"not in the operator's allowlist: {', '.join(map(repr, extra))}" if extra else None
+    if key.startswith("commands.rules.") and key.endswith(".allowed_subcommands"):
+        if old is None:
+            return None
+        extra = sorted(set(new or []) - set(old)) if new is not None else ["(any subcommand)"]
+        return f"not allowed by the operator: {', '.join(map(repr, extra))}" if extra else None
+    if key == "upcalls.helpers":
+        for name, config in (new or {}).items():
+            if name not in (old or {}):
+                return f"helper {name!r} is not granted by the operator"
+            if config != old[name]:
+                return f"helper {name!r}: a campaign cannot change a helper's config"
+        return None
+    return None  # additive lists, environment.allow values, name: free for a campaign
+
+
+def effective_policy(operator: Path | None = None, workspace: Path | None = None) -> EffectivePolicy:
+    """The operator's policy (sandman's default when None) with the workspace's campaign policy."""
+    op_path = operator or default_policy_path()
+    op_data = _read_toml(op_path)
+    op_data.setdefault("name", op_path.stem)
+    op = _validate(op_data, op_path)
+    kind = "sandman default" if op_path == default_policy_path() else "operator"
+    files = [op_path]
+    campaign_keys: set[str] = set()
+    campaign_path = workspace / CAMPAIGN_POLICY if workspace is not None else None
+    policy = op
+    if campaign_path is not None and campaign_path.is_file():
+        c_data = _read_toml(campaign_path)
+        if "campaign" in c_data:
+            raise ConfigError(
+                f"{campaign_path}: key 'campaign': only the operator's policy can grant loosening"
+            )
+        policy = _validate(_merge(op.model_dump(mode="json"), c_data), campaign_path)
+        granted = set(op.campaign.may_loosen)
+        for key in flatten(c_data):
+            head = "commands" if key.startswith("commands.rules.") else key.split(".")[0]
+            check = ".".join(key.split(".")[:4]) if key.startswith("commands.rules.") else key
+            if key.startswith("upcalls.helpers"):
+                check = "upcalls.helpers"
+            if head in granted:
+                continue
+            why = _loosening(check, op, policy)
+            if why:
+                raise ConfigError(
+                    f"{campaign_path}: key {check!r}: a campaign may only tighten the operator's policy "
+                    f"({why}); the operator can allow it with [campaign] may_loosen = [{head!r}]"
+                )
+        campaign_keys = set(flatten(c_data))
+        files.append(campaign_path)
+    operator_keys = set(flatten(op_data))
+    sources = {
+        key: f"campaign {campaign_path}"
+        if key in campaign_keys
+        else f"{kind} {op_path}"
+        if key in operator_keys
+        else "built-in default"
+        for key in flatten(policy.model_dump(mode="json"))
+    }
+    return EffectivePolicy(policy, sources, tuple(files))

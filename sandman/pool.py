@@ -46,7 +46,11 @@ class Pool:
         self._runner = Runner(self.settings)
         self.workspace = resolve_workspace(workspace)
         self.campaign = campaign
-        self.policy = self._runner.policy(None) if policy is None else _as_policy(self._runner, policy)
+        self.policy = (
+            self._runner.policy(None, self.workspace.path)
+            if policy is None
+            else _as_policy(self._runner, policy, self.workspace.path)
+        )
         camp = load_campaign(self.workspace.path, campaign)
         self.key = pool_key(self.workspace.path, camp.name, self.policy)
         self.state = StateStore(self.settings.state_dir)

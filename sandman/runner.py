@@ -8,7 +8,6 @@ even when the command ignores SIGTERM.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import json
@@ -25,11 +24,11 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from sandman import bwrap, resources
+from sandman import bwrap, enforce, resources
 from sandman.engine import ContainerSpec, connect, container_kwargs, engine_retry, state_id_for
-from sandman.errors import SandboxError, UsageError, WorkspaceError
+from sandman.errors import SandboxError, SandmanError, UsageError, WorkspaceError
 from sandman.image import ImageManager, Progress, load_campaign
-from sandman.policy import Policy, load_policy
+from sandman.policy import Policy, effective_policy
 from sandman.settings import Settings
 from sandman.state import SessionRecord, SessionState, StateStore
 from sandman.workspace import Workspace, resolve_workspace
@@ -181,8 +180,14 @@ class Runner:
     def images(self) -> ImageManager:
         return ImageManager(self.api, self.settings.base_image, self.settings.offline_base_image)
 
-    def policy(self, path: Path | None) -> Policy:
-        return load_policy(path or self.settings.default_policy)
+    def policy(self, path: Path | None, workspace: Path | None = None) -> Policy:
+        """The effective policy: the operator's (``path``, else settings, else sandman's default)
+        with the workspace's campaign policy merged on top."""
+        return effective_policy(path or self.settings.default_policy, workspace).policy
+
+    def refuse(self, session_id: str | None, exc: SandmanError, argv: Sequence[str]) -> None:
+        """Audit a refusal before it reaches the caller."""
+        self.state.audit(session_id, "command.refused", "refused", argv=list(argv), reason=str(exc))
 
     def run(
         self,
@@ -195,21 +200,50 @@ class Runner:
         stdout: Sink = _discard,
         stderr: Sink = _discard,
         cancel: Cancel | None = None,
+        host_env: Mapping[str, str] | None = None,
     ) -> RunResult:
-        """Run ``command`` in a fresh sandbox on ``workspace``; stream its output to the sinks."""
+        """Run ``command`` in a fresh sandbox on ``workspace``; stream its output to the sinks.
+
+        ``host_env`` is where the policy's passthrough variables are read (default: os.environ)."""
         if not command:
             raise UsageError("no command given: put it after --, e.g. sandman run --workspace . -- make test")
         if any("\x00" in arg for arg in command):
             raise UsageError("the command contains a NUL byte, which no program can receive")
         ws = resolve_workspace(workspace)
-        policy = policy or self.policy(None)
+        policy = policy or self.policy(None, ws.path)
         camp = load_campaign(ws.path, campaign)
+        session_id = new_session_id()
+        try:
+            enforce.check_argv(command, policy, ws)
+        except enforce.CommandRefused as exc:
+            self.refuse(session_id, exc, command)
+            raise
+        env = enforce.sandbox_env(
+            policy,
+            self.settings,
+            host_env=os.environ if host_env is None else host_env,
+            controller_env={"SANDMAN_SESSION": session_id, "SANDMAN_CAMPAIGN": camp.name},
+            extra=camp.spec.env,
+        )
+        layer2 = enforce.Layer2(
+            env, enforce.scan_masks(ws, policy), writable=tuple(policy.filesystem.writable)
+        )
         image = self.images().ensure(camp, self.progress)
         self.ensure_probe(image, ws, policy)
         if timeout is None:
             timeout = policy.resources.exec_timeout_s
         return self._run_container(
-            command, ws, camp.name, image, policy, timeout, stdout, stderr, cancel=cancel, env=camp.spec.env
+            command,
+            ws,
+            camp.name,
+            image,
+            policy,
+            timeout,
+            stdout,
+            stderr,
+            cancel=cancel,
+            layer2=layer2,
+            session_id=session_id,
         )
 
     # -- the probe -------------------------------------------------------------------------
@@ -248,13 +282,11 @@ class Runner:
         policy: Policy,
         session_id: str,
         runtime_dir: Path,
-        env: Mapping[str, str] | None = None,
+        kind: str = "sandbox",
     ) -> ContainerSpec:
-        # The campaign's image env is re-stated for layer 2, which starts from a cleared environment.
-        layer2 = bwrap.bwrap_argv(bwrap.BwrapSpec(command=command, env=bwrap.base_env(env)))
         return ContainerSpec(
             image=image,
-            command=[TINI, "--", *layer2],
+            command=list(command),
             session_id=session_id,
             campaign=campaign,
             workspace=str(ws.path),
@@ -265,6 +297,8 @@ class Runner:
             seccomp_profile=resources.seccomp_profile_path().read_text(),
             runtime=policy.runtime,
             state_id=state_id_for(self.settings.state_dir),
+            kind=kind,
+            extra_mounts=enforce.extra_mounts(policy),
         )
 
     def _run_container(
@@ -279,17 +313,23 @@ class Runner:
         stderr: Sink,
         kind: str = "sandbox",
         cancel: Cancel | None = None,
-        env: Mapping[str, str] | None = None,
+        layer2: enforce.Layer2 | None = None,
+        session_id: str | None = None,
     ) -> RunResult:
         import docker.errors
 
         api = self.api
         cancel = cancel or Cancel()
-        session_id = new_session_id()
+        session_id = session_id or new_session_id()
+        layer2 = layer2 or enforce.plain_layer2()
         started = time.monotonic()
         runtime_dir = make_runtime_dir(self.settings, session_id, ws)
-        spec = self.container_spec(command, ws, campaign, image, policy, session_id, runtime_dir, env)
-        kwargs = container_kwargs(dataclasses.replace(spec, kind=kind))
+        env_file = None
+        if layer2.env.private:
+            env_file = enforce.write_env_file(runtime_dir, ws, layer2.env.private)[1]
+        argv = [TINI, "--", *bwrap.bwrap_argv(layer2.spec(command, env_file))]
+        spec = self.container_spec(argv, ws, campaign, image, policy, session_id, runtime_dir, kind)
+        kwargs = container_kwargs(spec)
         res = policy.resources
         self.state.add_session(
             SessionRecord(

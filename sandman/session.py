@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sandman import bwrap, resources
+from sandman import bwrap, enforce, resources
 from sandman.engine import ContainerSpec, container_kwargs, engine_retry, state_id_for
 from sandman.errors import SandboxError, SandmanError, UsageError
 from sandman.policy import Policy
@@ -126,15 +126,24 @@ class Sandbox:
         self.settings = settings or Settings.load()
         self._runner = _runner or Runner(self.settings, progress or (lambda _m: None))
         self.state = StateStore(self.settings.state_dir)
-        if _record is not None:  # attach
+        self._masks: enforce.Masks | None = None
+        if _record is not None:  # attach: the policy the session was created with
             self.record = _record
-            self.policy = self._runner.policy(None) if policy is None else _as_policy(self._runner, policy)
             self.workspace = Workspace(Path(_record.workspace), _record.uid, _record.gid)
+            self.policy = (
+                Policy.model_validate_json(_record.policy)
+                if _record.policy != "{}"
+                else (self._runner.policy(None, self.workspace.path))
+            )
             return
         if workspace is None:
             raise UsageError("a workspace is required to create a session")
-        self.policy = self._runner.policy(None) if policy is None else _as_policy(self._runner, policy)
         self.workspace = resolve_workspace(workspace)
+        self.policy = (
+            self._runner.policy(None, self.workspace.path)
+            if policy is None
+            else _as_policy(self._runner, policy, self.workspace.path)
+        )
         self.record = self._create(campaign, owned, kind)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -188,6 +197,7 @@ class Sandbox:
             runtime=self.policy.runtime,
             state_id=state_id_for(self.settings.state_dir),
             kind=kind,
+            extra_mounts=enforce.extra_mounts(self.policy),
         )
         kwargs = container_kwargs(spec)
         limits = _Limits(res.cpus, res.memory, res.pids, {"campaign_env": self._campaign_env})
@@ -212,6 +222,7 @@ class Sandbox:
             ),
             created=now,
             last_used=now,
+            policy=self.policy.model_dump_json(),
         )
         self.state.add_session(rec)
         try:
@@ -318,33 +329,39 @@ class Sandbox:
         return cls(settings=settings, _record=rec)
 
     # -- exec ---------------------------------------------------------------------------------
-    def _exec_env(self, env: Mapping[str, str] | None) -> dict[str, str]:
-        limits = json.loads(self.record.limits)
-        extra = dict(limits.get("campaign_env") or {})
-        extra.update({"SANDMAN_SESSION": self.id, "SANDMAN_CAMPAIGN": self.record.campaign})
-        if env:
-            for key in env:
-                if key.startswith("SANDMAN_"):
-                    raise UsageError(f"environment variable {key}: the SANDMAN_* namespace is reserved")
-            extra.update(env)
-        return bwrap.base_env(extra)
+    def masks(self) -> enforce.Masks:
+        """Denied paths as they were when first asked (cached: a scan per exec would cost ~50 ms)."""
+        if self._masks is None:
+            self._masks = enforce.scan_masks(self.workspace, self.policy)
+        return self._masks
 
-    def _cwd(self, cwd: str | os.PathLike[str] | None) -> str:
-        if cwd is None:
-            return bwrap.WORKSPACE
-        text = os.fspath(cwd)
-        if "\x00" in text:
-            raise UsageError("cwd contains a NUL byte")
-        root = self.workspace.path
-        candidate = Path(text)
-        if candidate.is_absolute() and candidate.is_relative_to(bwrap.WORKSPACE):
-            candidate = root / candidate.relative_to(bwrap.WORKSPACE)
-        real = (root / candidate).resolve()
-        if not real.is_relative_to(root):
-            raise UsageError(f"cwd {text!r} escapes the workspace")
-        if not real.is_dir():
-            raise UsageError(f"cwd {text!r} is not a directory in the workspace")
-        return str(Path(bwrap.WORKSPACE) / real.relative_to(root))
+    def _layer2(
+        self,
+        argv: Sequence[str],
+        cwd: str | os.PathLike[str] | None,
+        env: Mapping[str, str] | None,
+        host_env: Mapping[str, str] | None,
+    ) -> enforce.Layer2:
+        try:
+            enforce.check_argv(argv, self.policy, self.workspace)
+        except enforce.CommandRefused as exc:
+            self._runner.refuse(self.id, exc, argv)
+            raise
+        limits = json.loads(self.record.limits)
+        extra = {**(limits.get("campaign_env") or {}), **(env or {})}
+        sandbox_env = enforce.sandbox_env(
+            self.policy,
+            self.settings,
+            host_env=os.environ if host_env is None else host_env,
+            controller_env={"SANDMAN_SESSION": self.id, "SANDMAN_CAMPAIGN": self.record.campaign},
+            extra=extra,
+        )
+        return enforce.Layer2(
+            sandbox_env,
+            self.masks(),
+            enforce.container_cwd(cwd, self.workspace, self.policy),
+            tuple(self.policy.filesystem.writable),
+        )
 
     def stream(
         self,
@@ -355,6 +372,7 @@ class Sandbox:
         env: Mapping[str, str] | None = None,
         stdin: bytes | Iterator[bytes] | None = None,
         tty: tuple[int, int] | None = None,
+        host_env: Mapping[str, str] | None = None,
     ) -> Iterator[Output | ExecResult]:
         """Run ``argv``; yield Output chunks as they come, then the ExecResult.
 
@@ -366,10 +384,16 @@ class Sandbox:
             raise UsageError("argv contains a NUL byte")
         if timeout is None:
             timeout = self.policy.resources.exec_timeout_s
-        layer2 = bwrap.bwrap_argv(bwrap.BwrapSpec(command=argv, env=self._exec_env(env), cwd=self._cwd(cwd)))
+        plan = self._layer2(argv, cwd, env, host_env)
+        env_file: Path | None = None
+        env_file_in_container = None
+        if plan.env.private:
+            env_file, env_file_in_container = enforce.write_env_file(
+                Path(self.record.runtime_dir), self.workspace, plan.env.private
+            )
         request: dict[str, Any] = {
             "op": "exec",
-            "argv": layer2,
+            "argv": bwrap.bwrap_argv(plan.spec(argv, env_file_in_container)),
             "env": {},
             "timeout": timeout,
             "stdin": stdin is not None,
@@ -377,7 +401,7 @@ class Sandbox:
         started = time.monotonic()
         out, err = bytearray(), bytearray()
         sock = self._connect()
-        with sock:
+        with sock, _removed_after(env_file):
             sock.sendall(json.dumps(request).encode() + b"\n")
             if stdin is not None:
                 threading.Thread(target=_feed_stdin, args=(sock, stdin), daemon=True).start()
@@ -478,6 +502,17 @@ class Sandbox:
         self.state.audit(self.id, "session.update", cpus=cpus, memory=memory, pids=pids)
 
 
+@contextlib.contextmanager
+def _removed_after(path: Path | None) -> Iterator[None]:
+    """The private env file lives exactly as long as its exec."""
+    try:
+        yield
+    finally:
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
 def _feed_stdin(sock: socket.socket, data: bytes | Iterator[bytes]) -> None:
     chunks = (
         (data[i : i + (1 << 16)] for i in range(0, len(data), 1 << 16)) if isinstance(data, bytes) else data
@@ -488,9 +523,12 @@ def _feed_stdin(sock: socket.socket, data: bytes | Iterator[bytes]) -> None:
         sock.sendall(HEADER.pack(b"I", 0))
 
 
-def _as_policy(runner: Runner, policy: Policy | str | os.PathLike[str]) -> Policy:
+def _as_policy(
+    runner: Runner, policy: Policy | str | os.PathLike[str], workspace: Path | None = None
+) -> Policy:
+    """A Policy as given, or a shipped policy name / policy file with the campaign's on top."""
     if isinstance(policy, Policy):
         return policy
-    from sandman.policy import load_named_policy
+    from sandman.policy import effective_policy, named_policy_path
 
-    return load_named_policy(policy)
+    return effective_policy(named_policy_path(policy), workspace).policy

@@ -37,7 +37,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     created REAL NOT NULL,
     last_used REAL NOT NULL,
     ended REAL,
-    end_reason TEXT
+    end_reason TEXT,
+    policy TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS sessions_state ON sessions(state);
 CREATE TABLE IF NOT EXISTS audit (
@@ -87,10 +88,12 @@ class SessionRecord:
     last_used: float
     ended: float | None = None
     end_reason: str | None = None
+    policy: str = "{}"  # the effective policy the session was created with (JSON)
 
     def as_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["limits"] = json.loads(self.limits)
+        data["policy"] = json.loads(self.policy)
         return data
 
 
@@ -125,6 +128,9 @@ class StateStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
+        if "policy" not in columns:  # a state dir from before policies were recorded
+            self._db.execute("ALTER TABLE sessions ADD COLUMN policy TEXT NOT NULL DEFAULT '{}'")
         with contextlib.suppress(OSError):
             self.path.chmod(0o600)
 

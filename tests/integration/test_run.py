@@ -174,6 +174,15 @@ def test_timeout_kills_the_whole_tree_and_leaves_no_container(
     assert not sandman_containers(engine, data["session_id"])
 
 
+def mine(engine: object, workspace: Path) -> set[str]:
+    """Sandman containers of this test's workspace (other tests may run sandboxes meanwhile)."""
+    return {
+        str(c["Id"])
+        for c in sandman_containers(engine)
+        if any(m.get("Source") == str(workspace) for m in c.get("Mounts") or [])  # type: ignore[attr-defined,union-attr]
+    }
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_signal_to_sandman_leaves_no_container(
     engine: object, agent_image: str, workspace: Path, cli_env: dict[str, str], unique: str, sig: int
@@ -198,7 +207,7 @@ def test_signal_to_sandman_leaves_no_container(
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), proc.stderr.read() if proc.stderr else ""  # type: ignore[union-attr]
-    before = {c["Id"] for c in sandman_containers(engine)}  # type: ignore[index]
+    before = mine(engine, workspace)
     assert before
     proc.send_signal(sig)
     t0 = time.monotonic()
@@ -206,9 +215,9 @@ def test_signal_to_sandman_leaves_no_container(
     if sig != signal.SIGKILL:
         assert code == 128 + sig
     # Gone within a second even though the command ignores SIGTERM (SIGKILL: the controller notices).
-    while time.monotonic() - t0 < 5 and {c["Id"] for c in sandman_containers(engine)} & before:  # type: ignore[index]
+    while time.monotonic() - t0 < 5 and mine(engine, workspace):
         time.sleep(0.05)
-    assert not ({c["Id"] for c in sandman_containers(engine)} & before)  # type: ignore[index]
+    assert not mine(engine, workspace)
     assert time.monotonic() - t0 < (1.0 if sig != signal.SIGKILL else 5.0)
 
 

@@ -80,3 +80,27 @@ def test_probe_failures_are_classified_with_a_fix(stderr: str, expected: ProbeFa
 
 def test_probe_success_is_not_a_failure() -> None:
     assert classify_probe(0, "") is None
+
+
+def test_masks_protected_paths_and_private_env_file() -> None:
+    argv = bwrap_argv(
+        BwrapSpec(
+            command=["true"],
+            env={"PATH": "/usr/bin"},
+            masks=[("/workspace/.env", False), ("/workspace/.ssh", True)],
+            read_only=["/workspace/.git/hooks"],
+            env_file="/run/sandman/env/abc.env",
+            ro_binds=(),
+        )
+    )
+    tail = argv[argv.index("/workspace") + 2 :]
+    assert tail == [
+        "--ro-bind", "/dev/null", "/workspace/.env",
+        "--tmpfs", "/workspace/.ssh", "--remount-ro", "/workspace/.ssh",
+        "--ro-bind", "/workspace/.git/hooks", "/workspace/.git/hooks",
+        "--ro-bind", "/run/sandman/env/abc.env", "/run/sandman-env",
+        "--chdir", "/workspace",
+        "--setenv", "PATH", "/usr/bin",
+        "--setenv", "SANDMAN_ENV_FILE", "/run/sandman-env",
+        "--", "/usr/lib/sandman/sandbox-exec", "true",
+    ]  # fmt: skip
