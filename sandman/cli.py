@@ -477,23 +477,36 @@ def session_stop(session_id: str | None, all_: bool, json_out: bool) -> None:
 @click.option("--pids", type=click.IntRange(min=16))
 @json_option
 def session_update(
-    session_id: str, cpus: float | None, memory: str | None, pids: int | None, json_out: bool
+    session_id: str,
+    cpus: float | None,
+    memory: str | None,
+    pids: int | None,
+    policy: str | None,
+    json_out: bool,
 ) -> None:
-    """Change a running session's CPU, memory or pids caps in place (docker update)."""
+    """Change a running session in place: CPU, memory or pids caps (docker update), or its
+    policy (commands, environment, secrets, deny list apply from the next exec; changes that
+    need a new container are refused by name)."""
     from sandman.policy import cli_size
     from sandman.session import Sandbox
 
+    applied: dict[str, list[str]] = {}
     try:
         sb = Sandbox.attach(session_id)
+        if policy:
+            applied = sb.update_policy(policy)
         sb.update(cpus=cpus, memory=cli_size(memory, "--memory") if memory else None, pids=pids)
     except SandmanError as exc:
         _fail(exc)
     limits = json.loads(sb.record.limits)
     limits.pop("campaign_env", None)
     if json_out:
-        _emit({"session_id": session_id, "limits": limits})
-    else:
-        click.echo(f"{session_id}: " + ", ".join(f"{k}={v}" for k, v in limits.items()))
+        _emit({"session_id": session_id, "limits": limits, "policy": applied})
+        return
+    click.echo(f"{session_id}: " + ", ".join(f"{k}={v}" for k, v in limits.items()))
+    for when, keys in applied.items():
+        if keys:
+            click.echo(f"  {when.replace('_', ' ')}: {', '.join(keys)}")
 
 
 @app.group()

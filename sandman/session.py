@@ -472,6 +472,29 @@ class Sandbox:
         return False
 
     # -- live changes -------------------------------------------------------------------------
+    def update_policy(self, policy: Policy | str | os.PathLike[str]) -> dict[str, list[str]]:
+        """Switch the session to a new policy without a restart where possible.
+
+        Commands, environment, secrets and the deny list apply from the next exec; CPU, memory
+        and pids caps are applied to the running container; anything else (network, runtime,
+        mounts, tmpfs, ulimits, session timeouts) needs a new session and is refused, by key."""
+        new = _as_policy(self._runner, policy, self.workspace.path)
+        next_exec, live, rebuild = classify_policy_change(self.policy, new)
+        if rebuild:
+            raise UsageError(
+                f"these policy changes need a new container, so a new session: {', '.join(rebuild)}; "
+                "nothing was changed"
+            )
+        if live:
+            res = new.resources
+            self.update(cpus=res.cpus, memory=res.memory, pids=res.pids)
+        self.policy = new
+        self._masks = None
+        self.record.policy = new.model_dump_json()
+        self.state.update_session(self.id, policy=self.record.policy, policy_hash=new.digest())
+        self.state.audit(self.id, "session.policy", next_exec=next_exec, live=live)
+        return {"next_exec": next_exec, "live": live}
+
     def update(
         self, *, cpus: float | None = None, memory: int | None = None, pids: int | None = None
     ) -> None:
@@ -511,6 +534,34 @@ def _removed_after(path: Path | None) -> Iterator[None]:
         if path is not None:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+
+
+# What a running session can take from a new policy, and how.
+_NEXT_EXEC = (
+    "commands",
+    "environment",
+    "secrets",
+    "filesystem.deny",
+    "filesystem.allow",
+    "filesystem.protected",
+    "resources.exec_timeout_s",
+    "name",
+    "upcalls",
+    "campaign",
+)
+_LIVE_UPDATE = ("resources.cpus", "resources.memory", "resources.pids")
+
+
+def classify_policy_change(old: Policy, new: Policy) -> tuple[list[str], list[str], list[str]]:
+    """Changed keys: (apply at the next exec, apply with docker update, need a new container)."""
+    from sandman.policy import flatten
+
+    before, after = flatten(old.model_dump(mode="json")), flatten(new.model_dump(mode="json"))
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    next_exec = [k for k in changed if k.startswith(_NEXT_EXEC)]
+    live = [k for k in changed if k in _LIVE_UPDATE]
+    rebuild = [k for k in changed if k not in next_exec and k not in live]
+    return next_exec, live, rebuild
 
 
 def _feed_stdin(sock: socket.socket, data: bytes | Iterator[bytes]) -> None:

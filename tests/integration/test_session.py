@@ -217,3 +217,31 @@ def test_pool_acquire_release_and_replace(
         ids = {r.id for r in StateStore(settings.state_dir).sessions(live_only=True, kind="pool")}
         assert first.id not in ids
     assert not StateStore(settings.state_dir).sessions(live_only=True, kind="pool")
+
+
+def test_policy_changes_apply_live_or_say_they_need_a_new_session(
+    engine: object, agent_image: str, workspace: Path, settings: Settings, tmp_path: Path
+) -> None:
+    from sandman.enforce import CommandRefused
+    from sandman.errors import UsageError
+
+    with Sandbox(workspace, settings=settings) as box:
+        assert box.exec(["sh", "-c", "echo ${MODE:-unset}"]).stdout == b"unset\n"
+        newer = tmp_path / "newer.toml"
+        newer.write_text(
+            '[environment]\nallow = { MODE = "strict" }\n[commands]\nallow = ["sh"]\n'
+            "[resources]\npids = 100\n"
+        )
+        applied = box.update_policy(newer)
+        assert "environment.allow.MODE" in applied["next_exec"] and applied["live"] == ["resources.pids"]
+        assert box.exec(["sh", "-c", "echo $MODE"]).stdout == b"strict\n"  # no restart
+        with pytest.raises(CommandRefused, match="not in the allowlist"):
+            box.exec(["ls"])
+        hc = engine.inspect_container(box.record.container_id)["HostConfig"]  # type: ignore[attr-defined]
+        assert hc["PidsLimit"] == 100
+        rebuild = tmp_path / "rebuild.toml"
+        rebuild.write_text('runtime = "runsc"\n[resources]\ntmpfs_size = "32m"\n')
+        with pytest.raises(UsageError, match="need a new container.*resources.tmpfs_size.*runtime"):
+            box.update_policy(rebuild)
+        events = [e.event for e in StateStore(settings.state_dir).events(session=box.id)]
+        assert "command.refused" in events and "session.policy" in events
