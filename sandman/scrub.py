@@ -42,6 +42,7 @@ splits a multi-byte UTF-8 character.
 from __future__ import annotations
 
 import binascii
+import bisect
 import hashlib
 import hmac
 import os
@@ -57,9 +58,9 @@ from pydantic import BaseModel, ConfigDict
 from sandman.errors import SandmanError
 
 try:
-    import ahocorasick_rs
+    import ahocorasick_rs  # type: ignore[import-not-found, unused-ignore]
 except ImportError:  # the regex engine stands in
-    ahocorasick_rs = None  # type: ignore[assignment]
+    ahocorasick_rs = None  # type: ignore[assignment, unused-ignore]
 
 MIN_SECRET_LEN = 4
 MAX_TOKEN = 512
@@ -69,8 +70,8 @@ _SLACK = 128  # how far past a match's end any pattern may read (lookaheads, opt
 _CTX = 16  # bytes kept before the unsent data, for lookbehinds and base64 groups
 _BACK = 4  # how far before its needle a hit may start (base64 groups, mixed characters)
 _PROBE_HOLD = 128  # longest unanchored token (Discord: 73 bytes) plus lookarounds, rounded up
-_B64_MINRUN = 60  # shortest base64 of an unanchored token (Telegram: 46 bytes -> 62 characters)
-_HEX_MINRUN = 92  # shortest hex of an unanchored token
+_B64_MINRUN = 56  # shortest base64 run that can hold an unanchored token (Telegram: 44 bytes)
+_HEX_MINRUN = 88  # the same for hex
 _SEG = 512  # long base64 runs are decoded in windows of this size...
 _STEP = 256  # ...starting every STEP characters: any token (<= 100 encoded chars) fits one window
 
@@ -141,8 +142,14 @@ _PEM_BODY = rb"(?:[A-Za-z0-9+/=\s:,.]|\\[nrt]|-(?!----)){0,%d}" % PEM_MAX_BODY
 _PEM_TAIL = rb"(?:-----END[A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----)?"
 
 
-def _p(kind: str, regex: bytes, anchors: Iterable[str] = (), **kw: int) -> LeakPattern:
-    return LeakPattern(kind, re.compile(regex), tuple(a.encode() for a in anchors), **kw)  # type: ignore[arg-type]
+def _p(
+    kind: str,
+    regex: bytes,
+    anchors: Iterable[str],
+    window: int = MAX_TOKEN + _SLACK,
+    miss_window: int = MAX_TOKEN + _SLACK,
+) -> LeakPattern:
+    return LeakPattern(kind, re.compile(regex), tuple(a.encode() for a in anchors), (), window, miss_window)
 
 
 PATTERNS: tuple[LeakPattern, ...] = (
@@ -158,15 +165,29 @@ PATTERNS: tuple[LeakPattern, ...] = (
         "aws_secret_key",
         rb"(?i:secret[_-]?access[_-]?key)[\"']?\s{0,8}[:=]{1,2}\s{0,8}[\"']?"
         rb"(?P<secret>[A-Za-z0-9/+]{40})(?![A-Za-z0-9/+])",
-        ["secret_access_key", "SECRET_ACCESS_KEY", "Secret_Access_Key", "secretAccessKey",
-         "SecretAccessKey", "secret-access-key"],
+        [
+            "secret_access_key",
+            "SECRET_ACCESS_KEY",
+            "Secret_Access_Key",
+            "secretAccessKey",
+            "SecretAccessKey",
+            "secret-access-key",
+        ],
     ),
     _p("slack", rb"xox[abpr]-[A-Za-z0-9-]{10,250}", ["xoxa-", "xoxb-", "xoxp-", "xoxr-"]),
     _p("slack", rb"xapp-[A-Za-z0-9-]{20,250}", ["xapp-"]),
-    _p("stripe", rb"(?:sk|rk)_live_[A-Za-z0-9]{16,247}|sk_test_[A-Za-z0-9]{16,247}",
-       ["sk_live_", "rk_live_", "sk_test_"]),
-    _p("private_key", _PEM_HEAD + _PEM_BODY + _PEM_TAIL, ["-----BEGIN"],
-       window=PEM_MAX_BODY + 200 + _SLACK, miss_window=80 + _SLACK),
+    _p(
+        "stripe",
+        rb"(?:sk|rk)_live_[A-Za-z0-9]{16,247}|sk_test_[A-Za-z0-9]{16,247}",
+        ["sk_live_", "rk_live_", "sk_test_"],
+    ),
+    _p(
+        "private_key",
+        _PEM_HEAD + _PEM_BODY + _PEM_TAIL,
+        ["-----BEGIN"],
+        window=PEM_MAX_BODY + 200 + _SLACK,
+        miss_window=80 + _SLACK,
+    ),
     LeakPattern(
         "discord",
         re.compile(
@@ -183,23 +204,24 @@ PATTERNS: tuple[LeakPattern, ...] = (
 )
 
 
-def _table(keep: bytes, to: bytes | None = None) -> bytes:
-    """A bytes.translate table: every byte in ``keep`` -> ``to`` (itself if None), others -> space."""
+def _shape_table(letters: bytes, kept: bytes = b"") -> bytes:
+    """A bytes.translate table: ``letters`` -> "a", ``kept`` -> themselves, the rest -> space."""
     table = bytearray(b" " * 256)
-    for c in keep:
-        table[c] = to[0] if to else c
+    for c in letters:
+        table[c] = 0x61
+    for c in kept:
+        table[c] = c
     return bytes(table)
 
 
 _WORD = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-"
 _B64_CHARS = frozenset(_WORD + b"+/")
 _HEX_CHARS = frozenset(b"0123456789abcdefABCDEF")
-# Probes see the text with token characters as "a" and the separators they need kept.
-_T_PROBE = bytes(bytearray(_table(_WORD, b"a")[c] if c in _WORD else (c if c in b":%." else 32) for c in range(256)))
-_T_B64 = _table(_WORD + b"+/", b"a")
+_T_PROBE = _shape_table(_WORD, b":%.")  # the separators the probes look for stay
+_T_B64 = _shape_table(_WORD + b"+/")
+_STD_TO_URLSAFE = bytes.maketrans(b"+/", b"-_")
 _URLSAFE_TO_STD = bytes.maketrans(b"-_", b"+/")
 _HEX_RUN = re.compile(rb"[0-9a-fA-F]{%d,}" % _HEX_MINRUN)
-_HEXDIGITS = frozenset(b"0123456789abcdefABCDEF")
 
 
 # -- what a needle in the automaton stands for ------------------------------------------------
@@ -212,7 +234,6 @@ class _SecretForm:
     encoding: Encoding
     lext: bool = False  # base64: a mixed character may precede the core
     pad: int = 0  # base64: a mixed character (and up to ``pad`` "=") may follow the core
-    alphabet: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -251,9 +272,7 @@ class _Index(Protocol):
 class _AhoCorasickIndex:
     def __init__(self, needles: list[bytes]) -> None:
         assert ahocorasick_rs is not None
-        self._ac = ahocorasick_rs.BytesAhoCorasick(
-            needles, implementation=ahocorasick_rs.Implementation.DFA
-        )
+        self._ac = ahocorasick_rs.BytesAhoCorasick(needles, implementation=ahocorasick_rs.Implementation.DFA)
 
     def find(self, data: bytes, pos: int) -> list[tuple[int, int, int]]:
         found = self._ac.find_matches_as_indexes(memoryview(data)[pos:], overlapping=True)
@@ -327,26 +346,25 @@ class Scrubber:
                 continue
             raw = value.encode()
             add(raw, _SecretForm(name, raw, "plain"))
-            for url in {quote(value, safe=""), quote_plus(value, safe=""), _lower_escapes(quote(value, safe=""))}:
+            quoted = quote(value, safe="")
+            for url in {quoted, quote_plus(value, safe=""), _lower_escapes(quoted)}:
                 if url != value:
                     add(url.encode(), _SecretForm(name, raw, "url"))
             add(raw.hex().encode(), _SecretForm(name, raw, "hex"))
             add(raw.hex().upper().encode(), _SecretForm(name, raw, "hex"))
             for k, core in _b64_cores(raw):
                 pad = (3 - (k + len(raw)) % 3) % 3
-                std = frozenset(_WORD[:62] + b"+/")
-                add(core, _SecretForm(name, raw, "base64", k > 0, pad, std))
-                url_core = core.translate(bytes.maketrans(b"+/", b"-_"))
-                add(url_core, _SecretForm(name, raw, "base64url", k > 0, pad, frozenset(_WORD)))
+                for variant in {core, core.translate(_STD_TO_URLSAFE)}:
+                    add(variant, _SecretForm(name, raw, "base64", k > 0, pad))
         for i, pat in enumerate(self.patterns):
             for anchor in pat.anchors:
                 add(anchor, _Anchor(i, "plain"))
                 add(anchor.hex().encode(), _Anchor(i, "hex"))
                 add(anchor.hex().upper().encode(), _Anchor(i, "hex"))
                 for k, core in _b64_cores(anchor):
-                    add(core, _Anchor(i, "base64", k))
-                    add(core.translate(bytes.maketrans(b"+/", b"-_")), _Anchor(i, "base64", k))
-        needles = list(actions)
+                    for variant in {core, core.translate(_STD_TO_URLSAFE)}:
+                        add(variant, _Anchor(i, "base64", k))
+        needles = self._needles = list(actions)
         self._actions = [actions[n] for n in needles]
         self._index: _Index | None = None
         if needles:
@@ -355,7 +373,9 @@ class Scrubber:
         self.engine = "none" if self._index is None else type(self._index).__name__
         self._probed = [(i, p) for i, p in enumerate(self.patterns) if p.probes]
         # Bounded scanners for the encoded neighbourhood of an anchor, one per pattern.
-        self._b64_run = [re.compile(rb"[A-Za-z0-9+/_-]{0,%d}" % ((p.window // 3 + 2) * 4)) for p in self.patterns]
+        self._b64_run = [
+            re.compile(rb"[A-Za-z0-9+/_-]{0,%d}" % ((p.window // 3 + 2) * 4)) for p in self.patterns
+        ]
         self._hex_run = [re.compile(rb"[0-9a-fA-F]{0,%d}" % (2 * p.window + 2)) for p in self.patterns]
         self._url_run = [re.compile(rb"[A-Za-z0-9_.~+%%-]{0,%d}" % (3 * p.window)) for p in self.patterns]
         longest = max((len(n) for n in needles), default=0)
@@ -372,7 +392,7 @@ class Scrubber:
         """``data`` with secrets handled per ``action``, and the findings (byte offsets).
         Raises SecretLeakBlocked under ``block``."""
         s = self.stream()
-        out = s.feed(data) + s.flush()
+        out = s._flush_all(bytes(data))
         return out, s.findings
 
     def scrub_text(self, text: str) -> tuple[str, list[Finding]]:
@@ -451,20 +471,24 @@ class Scrubber:
     def _secret_hit(
         self, form: _SecretForm, buf: bytes, s: int, e: int, final: bool, hits: list[_Hit]
     ) -> int | None:
-        start, stop = s, e
-        if form.encoding in ("base64", "base64url"):
+        start, stop, encoding = s, e, form.encoding
+        if encoding == "base64":
             if not final and e + 3 > len(buf):
                 return s - 1
-            if form.lext and s > 0 and buf[s - 1] in form.alphabet:
+            # The characters that mix the secret's first and last bits with its neighbours'.
+            if form.lext and s > 0 and buf[s - 1] in _B64_CHARS:
                 start = s - 1
-            if form.pad and e < len(buf) and buf[e] in form.alphabet:
+            if form.pad and e < len(buf) and buf[e] in _B64_CHARS:
                 stop = e + 1
                 while stop - e <= form.pad and buf[stop : stop + 1] == b"=":
                     stop += 1
-        hits.append(_Hit(start, stop, start, form.name, form.encoding, form.value, 0))
+            encoding = _b64_kind(buf, start, stop)
+        hits.append(_Hit(start, stop, start, form.name, encoding, form.value, 0))
         return None
 
-    def _anchor_hit(self, act: _Anchor, buf: bytes, s: int, e: int, final: bool, hits: list[_Hit]) -> int | None:
+    def _anchor_hit(
+        self, act: _Anchor, buf: bytes, s: int, e: int, final: bool, hits: list[_Hit]
+    ) -> int | None:
         pat = self.patterns[act.pattern]
         if act.encoding == "plain":
             return self._plain_anchor(act.pattern, pat, buf, s, final, hits)
@@ -477,29 +501,30 @@ class Scrubber:
     ) -> int | None:
         end = len(buf)
         m = pat.regex.match(buf, s)
-        if not final and s + (pat.window if m else pat.miss_window) > end and not (m and m.end() + _SLACK <= end):
+        reach = pat.window if m else pat.miss_window
+        if not final and s + reach > end and not (m and m.end() + _SLACK <= end):
             return s
         if m:
             ms, me = _secret_span(m)
             hits.append(_Hit(ms, me, s, pat.kind, "plain", buf[ms:me], 1))
-        if buf.find(b"%", max(s - 3, 0), s + 3 * pat.window) < 0:
-            return None
-        # Percent-encoded: the anchors are unreserved characters, so they survive encoding as is.
+        # Percent-encoded: every anchor is made of unreserved characters, so it survives as is.
         run = self._url_run[idx].match(buf, s)
         assert run is not None
         if not final and run.end() == end and run.end() - s < 3 * pat.window:
             return s
         raw = run.group()
-        prev = buf[s - 1 : s] if s else b""
-        if s >= 3 and buf[s - 3] == 0x25 and buf[s - 2] in _HEXDIGITS and buf[s - 1] in _HEXDIGITS:
-            prev = binascii.unhexlify(buf[s - 2 : s])
+        escaped = s >= 3 and buf[s - 3] == 0x25 and buf[s - 2] in _HEX_CHARS and buf[s - 1] in _HEX_CHARS
+        if b"%" not in raw and not escaped:
+            return None
+        prev = binascii.unhexlify(buf[s - 2 : s]) if escaped else buf[s - 1 : s] if s else b""
         for plus in (False, True) if b"+" in raw else (False,):
             decoded, offsets = _url_decode(raw, plus)
             um = pat.regex.match(prev + decoded, len(prev))
             if um:
                 ds, de = (x - len(prev) for x in _secret_span(um))
                 hs, he = s + offsets[ds], s + offsets[de]
-                hits.append(_Hit(hs, he, s, pat.kind, "url", decoded[ds:de], 1))
+                enc: Encoding = "url" if b"%" in buf[s:he] or escaped or plus else "plain"
+                hits.append(_Hit(hs, he, s, pat.kind, enc, decoded[ds:de], 1))
                 break
         return None
 
@@ -518,8 +543,9 @@ class Scrubber:
         decoded = prev + binascii.unhexlify(digits[: len(digits) // 2 * 2])
         m = pat.regex.match(decoded, len(prev))
         if m:
-            ds, de = (x - len(prev) for x in _secret_span(m))
-            hits.append(_Hit(s + 2 * ds, s + 2 * de, s, pat.kind, "hex", decoded[ds + len(prev) : de + len(prev)], 1))
+            ds, de = _secret_span(m)
+            hs, he = s + 2 * (ds - len(prev)), s + 2 * (de - len(prev))
+            hits.append(_Hit(hs, he, s, pat.kind, "hex", decoded[ds:de], 1))
         return None
 
     def _b64_anchor(
@@ -530,18 +556,11 @@ class Scrubber:
             return None
         run = self._b64_run[idx].match(buf, g)
         assert run is not None
-        bound = (pat.window // 3 + 2) * 4
-        if not final and run.end() + 2 >= len(buf) and run.end() - g < bound:
+        if not final and run.end() + 2 >= len(buf):  # the run, or its "=" padding, may go on
             return g
         # One group before, when there is one, gives the regex its lookbehind byte.
         first = g - 4 if g >= 4 and all(c in _B64_CHARS for c in buf[g - 4 : g]) else g
-        chars = buf[first : run.end()].translate(_URLSAFE_TO_STD)
-        whole, rest = len(chars) // 4 * 4, len(chars) % 4
-        chars = chars[:whole] + (chars[whole:] + b"=" * (4 - rest) if rest >= 2 else b"")
-        try:
-            decoded = binascii.a2b_base64(chars)
-        except binascii.Error:
-            return None
+        decoded = _b64_decode(buf[first : run.end()].translate(_URLSAFE_TO_STD))
         m = pat.regex.match(decoded, (g - first) // 4 * 3 + k)
         if m:
             ds, de = _secret_span(m)
@@ -549,13 +568,10 @@ class Scrubber:
             if he == run.end():
                 while he - run.end() < 2 and buf[he : he + 1] == b"=":
                     he += 1
-            enc: Encoding = "base64url" if b"-" in buf[hs:he] or b"_" in buf[hs:he] else "base64"
-            hits.append(_Hit(hs, he, g, pat.kind, enc, decoded[ds:de], 1))
+            hits.append(_Hit(hs, he, g, pat.kind, _b64_kind(buf, hs, he), decoded[ds:de], 1))
         return None
 
-    def _probe(
-        self, data: bytes, lo: int, hi: int
-    ) -> list[tuple[LeakPattern, int, int, bytes, int]]:
+    def _probe(self, data: bytes, lo: int, hi: int) -> list[tuple[LeakPattern, int, int, bytes, int]]:
         """Matches of the unanchored patterns starting in [lo, hi): (pattern, span, value, start)."""
         shape = data.translate(_T_PROBE)
         out = []
@@ -606,22 +622,36 @@ class Scrubber:
         return limit
 
     def _decode_window(self, buf: bytes, x: int, stop: int, hits: list[_Hit]) -> None:
+        """Probe one window of a long run, decoded as base64 at its 4 alignments and as hex."""
         window = buf[x:stop]
         norm = window.translate(_URLSAFE_TO_STD)
-        for a in range(4):
-            chars = norm[a : a + (len(norm) - a) // 4 * 4]
-            decoded = binascii.a2b_base64(chars)
-            for pat, ds, de, value, _ in self._probe(decoded, 0, len(decoded)):
-                hs, he = x + a + 8 * ds // 6, x + a + -(-8 * de // 6)
-                enc: Encoding = "base64url" if b"-" in buf[hs:he] or b"_" in buf[hs:he] else "base64"
-                hits.append(_Hit(hs, he, x, pat.kind, enc, value, 1))
+        # (text offset of the first decoded byte, characters per byte x 3, decoded bytes, kind)
+        pieces: list[tuple[int, int, bytes, Encoding]] = [
+            (x + a, 4, _b64_decode(norm[a:]), "base64") for a in range(4)
+        ]
         for run in _HEX_RUN.finditer(window):
             for a in (0, 1):
                 digits = run.group()[a:]
-                decoded = binascii.unhexlify(digits[: len(digits) // 2 * 2])
-                for pat, ds, de, value, _ in self._probe(decoded, 0, len(decoded)):
-                    hs = x + run.start() + a + 2 * ds
-                    hits.append(_Hit(hs, hs + 2 * (de - ds), x, pat.kind, "hex", value, 1))
+                pieces.append(
+                    (x + run.start() + a, 6, binascii.unhexlify(digits[: len(digits) // 2 * 2]), "hex")
+                )
+        # One probe over all decodings joined: a newline cannot be inside a token, nor pass a lookbehind.
+        joined = b"\n".join(p[2] for p in pieces)
+        found = self._probe(joined, 0, len(joined))
+        if not found:
+            return
+        offsets = []
+        at = 0
+        for p in pieces:
+            offsets.append(at)
+            at += len(p[2]) + 1
+        for pat, ds, de, value, _ in found:
+            i = bisect.bisect_right(offsets, ds) - 1
+            origin, width, _, kind = pieces[i]
+            ds, de = ds - offsets[i], de - offsets[i]
+            hs, he = origin + width * 2 * ds // 6, origin + -(-width * 2 * de // 6)
+            enc = _b64_kind(buf, hs, he) if kind == "base64" else kind
+            hits.append(_Hit(hs, he, x, pat.kind, enc, value, 1))
 
 
 class StreamScrubber:
@@ -654,6 +684,11 @@ class StreamScrubber:
         self._buf += bytes(chunk)
         return self._emit(final=False)
 
+    def _flush_all(self, data: bytes) -> bytes:
+        # One pass over a whole input: what scrub_bytes is, and what streaming must equal.
+        self._buf = data
+        return self.flush()
+
     def flush(self) -> bytes:
         """The rest of the stream, scrubbed; the stream is finished."""
         if self._blocked is not None:
@@ -678,7 +713,8 @@ class StreamScrubber:
         if sc.action is LeakAction.WARN or not done.regions:
             out = buf[begin:cut]
         else:
-            parts, pos = [], begin
+            parts: list[bytes] = []
+            pos = begin
             for start, stop, hit in done.regions:
                 parts += (buf[pos:start], b"[REDACTED:%s]" % hit.kind.encode())
                 pos = stop
@@ -702,6 +738,17 @@ def _secret_span(m: re.Match[bytes]) -> tuple[int, int]:
     return m.span("secret") if "secret" in m.re.groupindex else m.span()
 
 
+def _b64_decode(chars: bytes) -> bytes:
+    """Standard-alphabet base64 without padding; a last partial group gives its whole bytes."""
+    whole, rest = len(chars) // 4 * 4, len(chars) % 4
+    padded = chars[:whole] + (chars[whole:] + b"=" * (4 - rest) if rest >= 2 else b"")
+    return binascii.a2b_base64(padded)
+
+
+def _b64_kind(buf: bytes, start: int, end: int) -> Encoding:
+    return "base64url" if b"-" in buf[start:end] or b"_" in buf[start:end] else "base64"
+
+
 def _probe_encoding(buf: bytes, start: int, end: int) -> Encoding:
     return "url" if b"%" in buf[start:end] else "plain"
 
@@ -714,7 +761,7 @@ def _url_decode(raw: bytes, plus: bool) -> tuple[bytes, list[int]]:
     while i < len(raw):
         offsets.append(i)
         c = raw[i]
-        if c == 0x25 and i + 2 < len(raw) + 0 and raw[i + 1] in _HEXDIGITS and raw[i + 2] in _HEXDIGITS:
+        if c == 0x25 and i + 2 < len(raw) and raw[i + 1] in _HEX_CHARS and raw[i + 2] in _HEX_CHARS:
             out += binascii.unhexlify(raw[i + 1 : i + 3])
             i += 3
             continue
@@ -731,12 +778,16 @@ def _merge(hits: list[_Hit]) -> list[tuple[int, int, _Hit]]:
     for h in hits:
         if regions and h.start < regions[-1][1]:
             start, stop, best = regions[-1]
-            if (h.start - h.end, h.rank, h.start, h.kind) < (best.start - best.end, best.rank, best.start, best.kind):
+            if _preference(h) < _preference(best):
                 best = h
             regions[-1] = (start, max(stop, h.end), best)
         else:
             regions.append((h.start, h.end, h))
     return regions
+
+
+def _preference(h: _Hit) -> tuple[int, int, int, str]:
+    return (h.start - h.end, h.rank, h.start, h.kind)
 
 
 def _utf8_cut(buf: bytes, cut: int) -> int:
@@ -752,12 +803,14 @@ def _utf8_cut(buf: bytes, cut: int) -> int:
 
 
 def _char_offsets(data: bytes, findings: list[Finding]) -> list[Finding]:
-    """Findings with byte offsets into ``data`` turned into character offsets."""
+    """Findings (in order, not overlapping) with byte offsets into ``data`` made character offsets."""
     out = []
+    byte = char = 0
     for f in findings:
-        start = len(data[: f.start].decode("utf-8", "surrogatepass"))
-        end = start + len(data[f.start : f.end].decode("utf-8", "surrogatepass"))
-        out.append(f.model_copy(update={"start": start, "end": end}))
+        char += len(data[byte : f.start].decode("utf-8", "surrogatepass"))
+        end = char + len(data[f.start : f.end].decode("utf-8", "surrogatepass"))
+        out.append(f.model_copy(update={"start": char, "end": end}))
+        byte, char = f.end, end
     return out
 
 
