@@ -16,6 +16,10 @@ WORKSPACE = "/workspace"
 HOME = "/home/agent"
 TOOLS_DIR = "/opt/sandman/tools"
 SANDBOX_PATH = f"{TOOLS_DIR}/bin:/usr/local/bin:/usr/bin:/bin"
+UPCALL_DIR = "/run/sandman/upcall"
+# An empty regular file in the runtime dir: denied files read as empty (a /dev/null bind would
+# fail to open, since bwrap's binds are nodev, and tools such as git treat that as fatal).
+EMPTY_FILE = "/run/sandman/empty"  # the relay's directory (never the socket file itself)
 ENV_FILE = "/run/sandman-env"  # where layer 2 sees the private env file; the shim reads, unsets
 
 
@@ -29,8 +33,8 @@ class BwrapSpec:
     workspace: str = WORKSPACE
     home: str = HOME
     # Existing container paths bound read-only (tools dir, upcall dir, ...), in order.
-    ro_binds: Sequence[str] = (TOOLS_DIR,)
-    # Denied workspace paths: (container path, is_dir); files get /dev/null, dirs an empty tmpfs.
+    ro_binds: Sequence[str] = (TOOLS_DIR, UPCALL_DIR)
+    # Denied workspace paths: (container path, is_dir); files read as empty, dirs as an empty tmpfs.
     masks: Sequence[tuple[str, bool]] = ()
     read_only: Sequence[str] = ()  # protected workspace paths, re-bound read-only
     writable: Sequence[str] = ()  # extra paths bound read-write at the same place
@@ -69,7 +73,7 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
         "--bind", spec.workspace, spec.workspace,
     ]  # fmt: skip
     for path, is_dir in spec.masks:
-        argv += ["--tmpfs", path, "--remount-ro", path] if is_dir else ["--ro-bind", "/dev/null", path]
+        argv += ["--tmpfs", path, "--remount-ro", path] if is_dir else ["--ro-bind", EMPTY_FILE, path]
     for path in spec.read_only:
         argv += ["--ro-bind", path, path]
     for path in spec.writable:

@@ -69,6 +69,23 @@ def connect() -> socket.socket:
     )
 
 
+def request(message: dict[str, Any]) -> dict[str, Any]:
+    """One request to the controller (starting it if needed) and its one-frame answer."""
+    from sandman.errors import SandboxError
+
+    try:
+        sock = connect()
+    except ControllerUnavailable as exc:
+        raise SandboxError(str(exc)) from None
+    with sock:
+        sock.sendall(json.dumps(message).encode() + b"\n")
+        kind, payload = protocol.recv_frame(sock)
+    data: dict[str, Any] = json.loads(payload)
+    if kind == protocol.ERROR:
+        raise SandboxError(f"controller: {data.get('message')}")
+    return data
+
+
 def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:

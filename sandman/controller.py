@@ -54,8 +54,13 @@ class _State:
             self.last = time.monotonic()
 
     def idle_for(self) -> float:
+        from sandman.relay import RelayHost
+
+        host = RelayHost._instance
         with self.lock:
-            return 0.0 if self.active else time.monotonic() - self.last
+            if self.active or (host is not None and host.relays):
+                return 0.0  # a session's relay keeps its controller alive
+            return time.monotonic() - self.last
 
 
 class Handler(socketserver.StreamRequestHandler):
@@ -72,25 +77,40 @@ class Handler(socketserver.StreamRequestHandler):
                 request = json.loads(line)
                 op = request["op"]
             except (ValueError, KeyError, TypeError):
-                protocol.send_json(
-                    self.request, protocol.ERROR, {"message": "malformed request", "exit_code": 2}
-                )
+                protocol.send_json(self.request, protocol.ERROR, {"message": "malformed request", "exit_code": 2})
                 return
             if op == "ping":
                 protocol.send_json(self.request, protocol.RESULT, {"pid": os.getpid()})
             elif op == "shutdown":
                 protocol.send_json(self.request, protocol.RESULT, {"pid": os.getpid()})
                 threading.Thread(target=self.server.shutdown, daemon=True).start()
+            elif op in ("relay.start", "relay.stop"):
+                self._relay(op, request)
             elif op == "run":
                 self._run(request.get("args") or {})
             else:
-                protocol.send_json(
-                    self.request, protocol.ERROR, {"message": f"unknown op {op!r}", "exit_code": 2}
-                )
+                protocol.send_json(self.request, protocol.ERROR, {"message": f"unknown op {op!r}", "exit_code": 2})
         except (BrokenPipeError, ConnectionError):
             pass
         finally:
             state.leave()
+
+    def _relay(self, op: str, request: dict[str, Any]) -> None:
+        """Host a CLI-created session's upcall relay (the CLI process is gone long before it ends)."""
+        from sandman.relay import RelayHost
+        from sandman.session import Sandbox
+
+        session_id = str(request.get("session_id"))
+        try:
+            if op == "relay.stop":
+                RelayHost.stop_if_running(session_id)
+                protocol.send_json(self.request, protocol.RESULT, {"stopped": session_id})
+                return
+            sb = Sandbox.attach(session_id)
+            started = RelayHost.shared().ensure(sb._relay_context(sb.record))
+            protocol.send_json(self.request, protocol.RESULT, {"session_id": session_id, "started": started})
+        except SandmanError as exc:
+            protocol.send_json(self.request, protocol.ERROR, {"message": str(exc), "exit_code": exc.exit_code})
 
     def _runner(self, settings: Settings, progress: Any) -> Runner:
         state = self.server.state
@@ -172,6 +192,25 @@ class Server(socketserver.ThreadingUnixStreamServer):
     state: _State
 
 
+def _stop_ended_relays() -> None:
+    """Relays outlive nothing: a relay whose session has ended is stopped."""
+    from sandman.relay import RelayHost
+    from sandman.state import SessionState, StateStore
+
+    host = RelayHost._instance
+    if host is None or not host.relays:
+        return
+    try:
+        store = StateStore(Settings.load().state_dir)
+        for session_id in list(host.relays):
+            rec = store.get_session(session_id)
+            if rec is None or not SessionState(rec.state).live:
+                host.stop(session_id)
+        store.close()
+    except Exception:
+        logger.exception("checking relays failed")
+
+
 def serve(path: Path, idle_s: float) -> int:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path.parent, 0o700)
@@ -190,6 +229,7 @@ def serve(path: Path, idle_s: float) -> int:
     def reaper() -> None:
         while server.state.idle_for() < idle_s:
             time.sleep(min(5.0, idle_s / 4))
+            _stop_ended_relays()
         logger.info("idle for {:.0f}s: exiting", idle_s)
         server.shutdown()
 

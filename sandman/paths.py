@@ -206,7 +206,7 @@ def validate_path(
 
 class Denied(NamedTuple):
     path: Path  # under DenyScan.root
-    is_dir: bool  # True: mask with an empty tmpfs; False (files, symlinks, others): bind /dev/null
+    is_dir: bool  # True: mask with an empty tmpfs; False (files, symlinks, others): bind an empty file
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from sandman.engine import ContainerSpec, connect, container_kwargs, engine_retr
 from sandman.errors import SandboxError, SandmanError, UsageError, WorkspaceError
 from sandman.image import ImageManager, Progress, load_campaign
 from sandman.policy import Policy, effective_policy
+from sandman.relay import RelayContext, RelayHost
 from sandman.settings import Settings
 from sandman.state import SessionRecord, SessionState, StateStore
 from sandman.workspace import Workspace, resolve_workspace
@@ -140,8 +141,11 @@ def make_runtime_dir(settings: Settings, session_id: str, ws: Workspace) -> Path
     root.mkdir(parents=True, exist_ok=True, mode=0o711)
     path = root / session_id
     path.mkdir(mode=0o700)
+    (path / "upcall").mkdir(mode=0o700)  # the relay's socket dir, bound into both layers
+    (path / "empty").touch(mode=0o444)  # what denied files read as inside layer 2
     if os.geteuid() == 0:
         os.chown(path, ws.uid, ws.gid)
+        os.chown(path / "upcall", ws.uid, ws.gid)
     elif os.geteuid() != ws.uid:
         path.rmdir()
         raise WorkspaceError(
@@ -225,9 +229,7 @@ class Runner:
             controller_env={"SANDMAN_SESSION": session_id, "SANDMAN_CAMPAIGN": camp.name},
             extra=camp.spec.env,
         )
-        layer2 = enforce.Layer2(
-            env, enforce.scan_masks(ws, policy), writable=tuple(policy.filesystem.writable)
-        )
+        layer2 = enforce.Layer2(env, enforce.scan_masks(ws, policy), writable=tuple(policy.filesystem.writable))
         image = self.images().ensure(camp, self.progress)
         self.ensure_probe(image, ws, policy)
         if timeout is None:
@@ -258,9 +260,7 @@ class Runner:
         if marker.exists():
             return
         err = bytearray()
-        result = self._run_container(
-            ["true"], ws, "probe", image, policy, 60.0, _discard, err.extend, kind="probe"
-        )
+        result = self._run_container(["true"], ws, "probe", image, policy, 60.0, _discard, err.extend, kind="probe")
         if result.exit_code != 0:
             failure = bwrap.classify_probe(result.exit_code, err.decode(errors="replace"))
             detail = err.decode(errors="replace").strip().splitlines()
@@ -324,6 +324,7 @@ class Runner:
         layer2 = layer2 or enforce.plain_layer2()
         started = time.monotonic()
         runtime_dir = make_runtime_dir(self.settings, session_id, ws)
+        relay = self._start_relay(session_id, campaign, ws, policy, runtime_dir) if kind == "sandbox" else None
         env_file = None
         if layer2.env.private:
             env_file = enforce.write_env_file(runtime_dir, ws, layer2.env.private)[1]
@@ -362,17 +363,13 @@ class Runner:
                     container_id = engine_retry(api.create_container)(**kwargs)["Id"]
                     self.state.update_session(session_id, container_id=container_id, state="running")
                     cancel.arm(functools.partial(self._kill, container_id))
-                    stream = api.attach(
-                        container_id, stdout=True, stderr=True, stream=True, logs=True, demux=True
-                    )
+                    stream = api.attach(container_id, stdout=True, stderr=True, stream=True, logs=True, demux=True)
                     if not cancel.fired:
                         engine_retry(api.start)(container_id)
                 except docker.errors.APIError as exc:
                     if cancel.fired:
                         raise _Cancelled from None
-                    raise SandboxError(
-                        f"the engine refused the sandbox container: {exc.explanation or exc}"
-                    ) from None
+                    raise SandboxError(f"the engine refused the sandbox container: {exc.explanation or exc}") from None
                 if timeout:
                     timer = threading.Timer(timeout, self._expire, (container_id, timed_out))
                     timer.daemon = True
@@ -399,6 +396,8 @@ class Runner:
                 timer.cancel()
             if container_id is not None:
                 self._remove(container_id)
+            if relay is not None:
+                relay.stop(session_id)
             shutil.rmtree(runtime_dir, ignore_errors=True)
             self.state.end_session(session_id, SessionState.STOPPED, cause.value)
         duration = time.monotonic() - started
@@ -414,6 +413,17 @@ class Runner:
                 duration_s=round(duration, 4),
             )
         return RunResult(exit_code, cause, duration, session_id)
+
+    def _start_relay(
+        self, session_id: str, campaign: str, ws: Workspace, policy: Policy, runtime_dir: Path
+    ) -> RelayHost | None:
+        """An upcall relay for the run's lifetime, when the policy names any helper."""
+        if not policy.upcalls.helpers:
+            return None
+        host = RelayHost.shared()
+        sock = runtime_dir / "upcall" / "upcall.sock"
+        host.start(RelayContext(session_id, campaign, ws, policy, self.settings, sock))
+        return host
 
     def _kill(self, container_id: str) -> None:
         import docker.errors

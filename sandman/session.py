@@ -24,6 +24,7 @@ from sandman import bwrap, enforce, resources
 from sandman.engine import ContainerSpec, container_kwargs, engine_retry, state_id_for
 from sandman.errors import SandboxError, SandmanError, UsageError
 from sandman.policy import Policy
+from sandman.relay import RelayContext, RelayHost
 from sandman.runner import TINI, ExitCause, Runner, make_runtime_dir, new_session_id, process_start
 from sandman.settings import Settings
 from sandman.state import SessionRecord, SessionState, StateStore
@@ -217,9 +218,7 @@ class Sandbox:
             pool=None,
             uid=self.workspace.uid,
             gid=self.workspace.gid,
-            limits=json.dumps(
-                {"cpus": limits.cpus, "memory": limits.memory, "pids": limits.pids, **limits.extra}
-            ),
+            limits=json.dumps({"cpus": limits.cpus, "memory": limits.memory, "pids": limits.pids, **limits.extra}),
             created=now,
             last_used=now,
             policy=self.policy.model_dump_json(),
@@ -231,6 +230,7 @@ class Sandbox:
             self.state.update_session(session_id, container_id=container_id)
             engine_retry(self.api.start)(container_id)
             self._wait_ready(container_id, runtime_dir / CONTROL_DIR / CONTROL_SOCK)
+            self._start_relay(rec, owned)
         except BaseException as exc:
             self._teardown(rec, SessionState.STOPPED, f"failed to start: {exc!r}"[:200])
             if isinstance(exc, SandmanError):
@@ -238,9 +238,7 @@ class Sandbox:
             import docker.errors
 
             if isinstance(exc, docker.errors.APIError):
-                raise SandboxError(
-                    f"the engine refused the session container: {exc.explanation or exc}"
-                ) from None
+                raise SandboxError(f"the engine refused the session container: {exc.explanation or exc}") from None
             raise
         rec.state = SessionState.RUNNING.value
         self.state.update_session(session_id, state=rec.state)
@@ -296,10 +294,28 @@ class Sandbox:
         """Stop the session: kill every process (no SIGTERM grace), remove the container."""
         self._teardown(self.record, SessionState.STOPPED, "closed")
 
+    def _relay_context(self, rec: SessionRecord) -> RelayContext:
+        sock = Path(rec.runtime_dir) / "upcall" / "upcall.sock"
+        return RelayContext(rec.id, rec.campaign, self.workspace, self.policy, self.settings, sock)
+
+    def _start_relay(self, rec: SessionRecord, owned: bool) -> None:
+        """The session's upcall relay: in this process when it owns the session, else in the
+        controller (which outlives this CLI call and restarts relays after a crash)."""
+        if not self.policy.upcalls.helpers:
+            return
+        if owned:
+            RelayHost.shared().start(self._relay_context(rec))
+        else:
+            from sandman import client
+
+            client.request({"op": "relay.start", "session_id": rec.id})
+
     def _teardown(self, rec: SessionRecord, state: SessionState, reason: str) -> None:
         import shutil
 
         import docker.errors
+
+        RelayHost.stop_if_running(rec.id)
 
         if rec.container_id:
             with contextlib.suppress(docker.errors.NotFound):
@@ -495,9 +511,7 @@ class Sandbox:
         self.state.audit(self.id, "session.policy", next_exec=next_exec, live=live)
         return {"next_exec": next_exec, "live": live}
 
-    def update(
-        self, *, cpus: float | None = None, memory: int | None = None, pids: int | None = None
-    ) -> None:
+    def update(self, *, cpus: float | None = None, memory: int | None = None, pids: int | None = None) -> None:
         """Apply new CPU, memory (= memory+swap) or pids caps to the running container."""
         body: dict[str, Any] = {}
         if cpus is not None:
@@ -517,9 +531,7 @@ class Sandbox:
         except docker.errors.APIError as exc:
             raise UsageError(f"the engine refused the update: {exc.explanation or exc}") from None
         limits = json.loads(self.record.limits)
-        limits.update(
-            {k: v for k, v in {"cpus": cpus, "memory": memory, "pids": pids}.items() if v is not None}
-        )
+        limits.update({k: v for k, v in {"cpus": cpus, "memory": memory, "pids": pids}.items() if v is not None})
         self.record.limits = json.dumps(limits)
         self.state.update_session(self.id, limits=self.record.limits)
         self.state.audit(self.id, "session.update", cpus=cpus, memory=memory, pids=pids)
@@ -565,18 +577,14 @@ def classify_policy_change(old: Policy, new: Policy) -> tuple[list[str], list[st
 
 
 def _feed_stdin(sock: socket.socket, data: bytes | Iterator[bytes]) -> None:
-    chunks = (
-        (data[i : i + (1 << 16)] for i in range(0, len(data), 1 << 16)) if isinstance(data, bytes) else data
-    )
+    chunks = (data[i : i + (1 << 16)] for i in range(0, len(data), 1 << 16)) if isinstance(data, bytes) else data
     with contextlib.suppress(OSError):
         for chunk in chunks:
             sock.sendall(HEADER.pack(b"i", len(chunk)) + chunk)
         sock.sendall(HEADER.pack(b"I", 0))
 
 
-def _as_policy(
-    runner: Runner, policy: Policy | str | os.PathLike[str], workspace: Path | None = None
-) -> Policy:
+def _as_policy(runner: Runner, policy: Policy | str | os.PathLike[str], workspace: Path | None = None) -> Policy:
     """A Policy as given, or a shipped policy name / policy file with the campaign's on top."""
     if isinstance(policy, Policy):
         return policy

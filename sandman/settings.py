@@ -74,6 +74,7 @@ class Settings(BaseSettings):
         default_factory=dict, description="host-side secrets a policy may inject by name"
     )
     engine_timeout_s: float = Field(default=60.0, gt=0, description="timeout of one engine API call")
+    helpers_dir: Path | None = Field(default=None, description="operator upcall helpers (executables)")
 
     @classmethod
     def settings_customise_sources(

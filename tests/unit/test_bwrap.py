@@ -28,6 +28,7 @@ def test_bwrap_argv_exact_output() -> None:
         "--tmpfs", "/home/agent",
         "--bind", "/workspace", "/workspace",
         "--ro-bind-try", "/opt/sandman/tools", "/opt/sandman/tools",
+        "--ro-bind-try", "/run/sandman/upcall", "/run/sandman/upcall",
         "--chdir", "/workspace",
         "--setenv", "HOME", "/home/agent",
         "--setenv", "PATH", "/usr/bin",
@@ -95,7 +96,7 @@ def test_masks_protected_paths_and_private_env_file() -> None:
     )
     tail = argv[argv.index("/workspace") + 2 :]
     assert tail == [
-        "--ro-bind", "/dev/null", "/workspace/.env",
+        "--ro-bind", "/run/sandman/empty", "/workspace/.env",
         "--tmpfs", "/workspace/.ssh", "--remount-ro", "/workspace/.ssh",
         "--ro-bind", "/workspace/.git/hooks", "/workspace/.git/hooks",
         "--ro-bind", "/run/sandman/env/abc.env", "/run/sandman-env",
