@@ -10,6 +10,9 @@
   create       Sandbox() (image cached) vs `docker run -d` of the same image
   pool         Pool.acquire() (target median <= 50 ms)
   concurrent   32 sessions created and used at once: all succeed; throughput and our memory
+  upcall       a no-op upcall from inside the sandbox (JSON-RPC over the relay socket), median
+               and p99 (target median <= 5 ms), against a bare `python3 -c pass`-free baseline:
+               the same client loop against an echo server in the same sandbox
 
 Usage: scripts/bench [--runs N] [--json FILE]
 """
@@ -43,10 +46,10 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> float:
 def summary(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     return {
-        "median_s": round(statistics.median(ordered), 4),
-        "p90_s": round(ordered[int(0.9 * (len(ordered) - 1))], 4),
-        "min_s": round(ordered[0], 4),
-        "max_s": round(ordered[-1], 4),
+        "median_s": round(statistics.median(ordered), 6),
+        "p90_s": round(ordered[int(0.9 * (len(ordered) - 1))], 6),
+        "min_s": round(ordered[0], 6),
+        "max_s": round(ordered[-1], 6),
         "n": len(ordered),
     }
 
@@ -237,10 +240,53 @@ def bench_concurrent(ws: Path, n: int = 32) -> dict[str, object]:
     }
 
 
+UPCALL_LOOP = r"""
+import json, socket, sys, time
+def rt(path, msg):
+    s = socket.socket(socket.AF_UNIX); s.connect(path); s.sendall(msg)
+    buf = b""
+    while not buf.endswith(b"\n"):
+        buf += s.recv(65536)
+    s.close(); return buf
+path, n = sys.argv[1], int(sys.argv[2])
+msg = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "upcall.exec", "params": {"helper": "noop", "args": []}})
+msg = msg.encode() + b"\n"
+if path == "echo":
+    import os, threading
+    path = "/tmp/echo.sock"
+    srv = socket.socket(socket.AF_UNIX); srv.bind(path); srv.listen(64)
+    def serve():
+        while True:
+            c, _ = srv.accept(); c.recv(65536); c.sendall(b'{"jsonrpc": "2.0", "id": 1, "result": {}}\n'); c.close()
+    threading.Thread(target=serve, daemon=True).start()
+for _ in range(20):
+    rt(path, msg)
+out = []
+for _ in range(n):
+    t0 = time.perf_counter(); rt(path, msg); out.append(time.perf_counter() - t0)
+print(json.dumps(out))
+"""
+
+
+def bench_upcall(ws: Path, runs: int) -> dict[str, object]:
+    from sandman.policy import Policy
+    from sandman.session import Sandbox
+
+    policy = Policy.model_validate({"upcalls": {"helpers": {"noop": {}}}})
+    with Sandbox(ws, policy=policy) as sb:
+        ours = json.loads(sb.exec(["python3", "-c", UPCALL_LOOP, "/run/sandman/upcall/upcall.sock", str(runs)]).stdout)
+        base = json.loads(sb.exec(["python3", "-c", UPCALL_LOOP, "echo", str(runs)]).stdout)
+    ordered = sorted(ours)
+    s, b = summary(ours), summary(base)
+    return {
+        "upcall_noop": {**s, "p99_s": round(ordered[int(0.99 * (len(ordered) - 1))], 5)},
+        "baseline_unix_echo_in_sandbox": b,
+        "target_median_s": 0.005,
+    }
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--json", type=Path, default=ROOT / "bench-results" / "latest.json")
     ns = parser.parse_args()
@@ -292,6 +338,13 @@ def main() -> int:
             f"pool       acquire median {po['pool_acquire']['median_s'] * 1000:.1f}ms "
             f"p90 {po['pool_acquire']['p90_s'] * 1000:.1f}ms (target <= 50 ms; "
             f"baseline: a cold Sandbox() above)"
+        )
+        results["upcall"] = up = bench_upcall(ws, max(200, ns.runs * 20))
+        print(
+            f"upcall     no-op round trip from inside: median {up['upcall_noop']['median_s'] * 1000:.2f}ms "
+            f"p99 {up['upcall_noop']['p99_s'] * 1000:.2f}ms (target median <= 5 ms); "
+            f"baseline: a unix-socket echo in the same sandbox "
+            f"{up['baseline_unix_echo_in_sandbox']['median_s'] * 1000:.2f}ms"
         )
         results["concurrent"] = co = bench_concurrent(ws)
         print(
