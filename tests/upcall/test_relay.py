@@ -3,6 +3,7 @@ helpers, rate limits and audit — it answers every client and keeps serving the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -64,10 +65,9 @@ def rpc(path: Path, payload: bytes | dict, timeout: float = 10) -> dict:  # type
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(timeout)
         s.connect(str(path))
-        try:
+        # The relay may answer an oversized frame and close before we finish sending.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(data)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the relay answered (an oversized frame) and closed before we finished sending
         buf = b""
         while not buf.endswith(b"\n"):
             chunk = s.recv(1 << 20)
