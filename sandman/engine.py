@@ -53,6 +53,7 @@ class ContainerSpec:
     state_id: str = ""
     kind: str = "sandbox"
     extra_mounts: Sequence[tuple[str, str, bool]] = ()  # (host source, target, read-only)
+    extra_labels: Mapping[str, str] = field(default_factory=dict)  # e.g. testcontainers' session label
 
 
 def state_id_for(state_dir: os.PathLike[str] | str) -> str:
@@ -120,7 +121,8 @@ def container_kwargs(spec: ContainerSpec) -> dict[str, Any]:
         "user": f"{spec.uid}:{spec.gid}",
         "environment": env,
         "working_dir": WORKSPACE,
-        "labels": labels_for(spec.session_id, spec.campaign, spec.kind, spec.state_id),
+        # sandman's own labels win: reconcile and gc find sandboxes by them.
+        "labels": {**spec.extra_labels, **labels_for(spec.session_id, spec.campaign, spec.kind, spec.state_id)},
         "hostname": "sandman",
         "stdin_open": False,
         "tty": False,

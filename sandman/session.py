@@ -121,6 +121,7 @@ class Sandbox:
         progress: Callable[[str], None] | None = None,
         owned: bool = True,
         kind: str = "session",
+        labels: Mapping[str, str] | None = None,
         _record: SessionRecord | None = None,
         _runner: Runner | None = None,
     ) -> None:
@@ -145,7 +146,7 @@ class Sandbox:
             if policy is None
             else _as_policy(self._runner, policy, self.workspace.path)
         )
-        self.record = self._create(campaign, owned, kind)
+        self.record = self._create(campaign, owned, kind, dict(labels or {}))
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -156,7 +157,7 @@ class Sandbox:
     def api(self) -> docker.APIClient:
         return self._runner.api
 
-    def _create(self, campaign_name: str | None, owned: bool, kind: str) -> SessionRecord:
+    def _create(self, campaign_name: str | None, owned: bool, kind: str, labels: dict[str, str]) -> SessionRecord:
         from sandman.image import load_campaign
 
         camp = load_campaign(self.workspace.path, campaign_name)
@@ -199,6 +200,7 @@ class Sandbox:
             state_id=state_id_for(self.settings.state_dir),
             kind=kind,
             extra_mounts=enforce.extra_mounts(self.policy),
+            extra_labels=labels,
         )
         kwargs = container_kwargs(spec)
         limits = _Limits(res.cpus, res.memory, res.pids, {"campaign_env": self._campaign_env})
