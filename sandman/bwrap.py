@@ -1,7 +1,8 @@
 """Layer 2: the bubblewrap argv, built by one pure function, and the probe that classifies failures.
 
-The root is built up, not hidden down: read-only /usr, /etc and /sys, fresh /proc, /dev, /tmp and
-HOME, the workspace read-write, every namespace unshared, nested user namespaces disabled.
+The root is built up, not hidden down: read-only /usr, /etc and /sys, fresh /proc and /dev, the
+container's capped /tmp and HOME tmpfs, the workspace read-write, every namespace unshared,
+nested user namespaces disabled.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
         "--ro-bind", "/sys", "/sys",
         "--proc", "/proc",
         "--dev", "/dev",
-        "--tmpfs", "/tmp",
-        "--tmpfs", spec.home,
+        "--bind", "/tmp", "/tmp",
+        "--bind", spec.home, spec.home,
         "--bind", spec.workspace, spec.workspace,
     ]  # fmt: skip
     for path, is_dir in spec.masks:
@@ -138,8 +139,7 @@ def classify_probe(exit_code: int, stderr: str) -> ProbeFailure | None:
     if "proc" in text and ("mount" in text or "can't" in text):
         return ProbeFailure.PROC_REFUSED
     if any(
-        s in text
-        for s in ("uid map", "gid map", "new namespace", "user namespace", "max_user_namespaces", "clone")
+        s in text for s in ("uid map", "gid map", "new namespace", "user namespace", "max_user_namespaces", "clone")
     ):
         return ProbeFailure.NO_USERNS
     if any(s in text for s in ("mount", "pivot_root", "chroot", "make / slave", "remount")):

@@ -87,8 +87,11 @@ def container_kwargs(spec: ContainerSpec) -> dict[str, Any]:
         "MemorySwap": res.memory,  # no swap on top of the memory cap
         "PidsLimit": res.pids,
         "ReadonlyRootfs": True,
+        # /tmp and HOME are the only writable places besides the workspace; both capped in size
+        # and inodes, and layer 2 binds them (bwrap's own tmpfs could not cap inodes).
         "Tmpfs": {
             "/tmp": f"rw,nosuid,nodev,size={res.tmpfs_size},nr_inodes={res.tmpfs_inodes},mode=1777",
+            HOME: f"rw,nosuid,nodev,size={res.tmpfs_size},nr_inodes={res.tmpfs_inodes},mode=1777",
         },
         "CapDrop": ["ALL"],
         "SecurityOpt": ["no-new-privileges", f"seccomp={spec.seccomp_profile}"],

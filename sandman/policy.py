@@ -80,7 +80,8 @@ class Resources(_Strict):
     cpus: float = Field(default=2.0, gt=0, le=512)
     memory: Size = Field(default=2 << 30)
     pids: int = Field(default=512, ge=16)
-    tmpfs_size: Size = Field(default=256 << 20, description="size of /tmp; must stay below memory")
+    tmpfs_size: Size = Field(default=256 << 20, description="size of /tmp and of HOME; below memory / 2")
+    max_output: Size = Field(default=256 << 20, description="stdout+stderr passed on per command, then truncated")
     tmpfs_inodes: int = Field(default=65536, ge=64)
     max_file_size: Size = Field(default=4 << 30, description="RLIMIT_FSIZE of every process")
     open_files: int = Field(default=4096, ge=64)
@@ -90,10 +91,10 @@ class Resources(_Strict):
 
     @model_validator(mode="after")
     def _tmpfs_below_memory(self) -> Resources:
-        if self.tmpfs_size >= self.memory:
+        if 2 * self.tmpfs_size >= self.memory:
             raise ValueError(
-                f"tmpfs_size ({self.tmpfs_size} bytes) must be below memory ({self.memory} bytes): "
-                "a full /tmp must not be able to exhaust the memory cap"
+                f"tmpfs_size ({self.tmpfs_size} bytes) must be below half of memory ({self.memory} bytes): "
+                "/tmp and HOME each get one, and full ones must not be able to exhaust the memory cap"
             )
         return self
 
@@ -132,9 +133,9 @@ class UpcallsPolicy(_Strict):
 class CampaignGrant(_Strict):
     """Operator-only: sections a campaign's policy may loosen, not just tighten."""
 
-    may_loosen: list[
-        Literal["filesystem", "commands", "environment", "secrets", "resources", "upcalls", "runtime"]
-    ] = Field(default_factory=list)
+    may_loosen: list[Literal["filesystem", "commands", "environment", "secrets", "resources", "upcalls", "runtime"]] = (
+        Field(default_factory=list)
+    )
 
 
 class Policy(_Strict):
@@ -163,6 +164,10 @@ class Policy(_Strict):
         """A copy with some resource values replaced (CLI overrides), validated again."""
         data = self.resources.model_dump()
         data.update({k: v for k, v in changes.items() if v is not None})
+        memory = changes.get("memory")
+        if memory is not None and changes.get("tmpfs_size") is None and 2 * data["tmpfs_size"] >= parse_size(memory):
+            # A lower memory cap alone shrinks /tmp and HOME to a quarter of it each, not an error.
+            data["tmpfs_size"] = max(parse_size(memory) // 4, 1 << 20)
         try:
             return self.model_copy(update={"resources": Resources(**data)})
         except ValidationError as exc:
@@ -302,11 +307,7 @@ def _loosening(key: str, op: Policy, cp: Policy) -> str | None:
             return f"operator: {old}, campaign: {new}"
         return None
     if key == "runtime":
-        return (
-            None
-            if new == old or (old == Runtime.RUNC and new == Runtime.RUNSC)
-            else "gVisor cannot be dropped"
-        )
+        return None if new == old or (old == Runtime.RUNC and new == Runtime.RUNSC) else "gVisor cannot be dropped"
     if key == "filesystem.max_masks":
         return None if new <= old else f"operator: {old}, campaign: {new}"
     if key == "filesystem.tools_dir":
@@ -348,9 +349,7 @@ def effective_policy(operator: Path | None = None, workspace: Path | None = None
     if campaign_path is not None and campaign_path.is_file():
         c_data = _read_toml(campaign_path)
         if "campaign" in c_data:
-            raise ConfigError(
-                f"{campaign_path}: key 'campaign': only the operator's policy can grant loosening"
-            )
+            raise ConfigError(f"{campaign_path}: key 'campaign': only the operator's policy can grant loosening")
         policy = _validate(_merge(op.model_dump(mode="json"), c_data), campaign_path)
         granted = set(op.campaign.may_loosen)
         for key in flatten(c_data):

@@ -25,6 +25,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from sandman import bwrap, enforce, resources
+from sandman.causes import ENOSPC_TEXT, CgroupWatch, Counters, OutputCap
 from sandman.engine import ContainerSpec, connect, container_kwargs, engine_retry, state_id_for
 from sandman.errors import SandboxError, SandmanError, UsageError, WorkspaceError
 from sandman.image import ImageManager, Progress, load_campaign
@@ -45,8 +46,27 @@ class ExitCause(StrEnum):
     EXIT = "exit"
     TIMEOUT = "timeout"
     OOM = "oom"
+    PIDS_LIMIT = "pids-limit"
+    DISK_FULL = "disk-full"
     KILLED = "killed"
     ERROR = "error"
+
+
+def classify_end(
+    exit_code: int, before: Counters, after: Counters, stderr_tail: bytes, *, killed_by_us: bool
+) -> ExitCause:
+    """The cause of a command's end, from its exit code and the kernel's counters."""
+    if killed_by_us:
+        return ExitCause.KILLED
+    if after.oom_kills > before.oom_kills and exit_code != 0:
+        return ExitCause.OOM
+    if after.pids_max_hits > before.pids_max_hits and exit_code != 0:
+        return ExitCause.PIDS_LIMIT
+    if exit_code != 0 and ENOSPC_TEXT in stderr_tail:
+        return ExitCause.DISK_FULL
+    if exit_code in (128 + signal.SIGKILL, 128 + signal.SIGTERM):
+        return ExitCause.KILLED
+    return ExitCause.EXIT
 
 
 @dataclass(frozen=True)
@@ -374,21 +394,25 @@ class Runner:
                     timer = threading.Timer(timeout, self._expire, (container_id, timed_out))
                     timer.daemon = True
                     timer.start()
+                watch = CgroupWatch(int(api.inspect_container(container_id)["State"].get("Pid") or 0))
+                cap = OutputCap(policy.resources.max_output, stderr)
                 for out, err in stream:
-                    if out:
+                    if out and (out := cap.take(out)):
                         stdout(out)
                     if err:
-                        stderr(err)
+                        cap.note_stderr(err)
+                        if err := cap.take(err):
+                            stderr(err)
                 exit_code = int(api.wait(container_id)["StatusCode"])
                 if cancel.fired:
                     raise _Cancelled
+                counters = watch.read()
                 if timed_out.is_set():
-                    cause, exit_code = ExitCause.TIMEOUT, 124
-                elif exit_code == 128 + signal.SIGKILL:
-                    oom = api.inspect_container(container_id)["State"].get("OOMKilled")
-                    cause = ExitCause.OOM if oom else ExitCause.KILLED
-                elif exit_code == 128 + signal.SIGTERM:
-                    cause = ExitCause.KILLED
+                    # A fork or thread bomb ends by the timeout; the pids limit is what it ran into.
+                    cause = ExitCause.PIDS_LIMIT if counters.pids_max_hits else ExitCause.TIMEOUT
+                    exit_code = 124
+                else:
+                    cause = classify_end(exit_code, Counters(), counters, cap.tail, killed_by_us=False)
         except _Cancelled:
             cause, exit_code = ExitCause.KILLED, 128 + (cancel.signum or signal.SIGKILL)
         finally:

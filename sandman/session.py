@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sandman import bwrap, enforce, resources
+from sandman.causes import CgroupWatch, OutputCap
 from sandman.engine import ContainerSpec, container_kwargs, engine_retry, state_id_for
 from sandman.errors import SandboxError, SandmanError, UsageError
 from sandman.policy import Policy
 from sandman.relay import RelayContext, RelayHost
-from sandman.runner import TINI, ExitCause, Runner, make_runtime_dir, new_session_id, process_start
+from sandman.runner import TINI, ExitCause, Runner, classify_end, make_runtime_dir, new_session_id, process_start
 from sandman.settings import Settings
 from sandman.state import SessionRecord, SessionState, StateStore
 from sandman.workspace import Workspace, resolve_workspace
@@ -58,6 +59,7 @@ class ExecResult:
     stderr: bytes
     cause: ExitCause
     duration_s: float
+    truncated: bool = False  # output beyond resources.max_output was dropped
 
     @property
     def ok(self) -> bool:
@@ -129,6 +131,7 @@ class Sandbox:
         self._runner = _runner or Runner(self.settings, progress or (lambda _m: None))
         self.state = StateStore(self.settings.state_dir)
         self._masks: enforce.Masks | None = None
+        self._watch: CgroupWatch | None = None
         if _record is not None:  # attach: the policy the session was created with
             self.record = _record
             self.workspace = Workspace(Path(_record.workspace), _record.uid, _record.gid)
@@ -418,6 +421,10 @@ class Sandbox:
         }
         started = time.monotonic()
         out, err = bytearray(), bytearray()
+        notices: list[bytes] = []
+        cap = OutputCap(self.policy.resources.max_output, notices.append)
+        watch = self._cgroup_watch()
+        before = watch.read()
         sock = self._connect()
         with sock, _removed_after(env_file):
             sock.sendall(json.dumps(request).encode() + b"\n")
@@ -430,27 +437,31 @@ class Sandbox:
                 except ConnectionError:
                     raise SessionGone(f"session {self.id} stopped during the exec") from None
                 if kind == b"o":
-                    out += payload
-                    yield Output("stdout", payload)
+                    if payload := cap.take(payload):
+                        out += payload
+                        yield Output("stdout", payload)
                 elif kind == b"e":
-                    err += payload
-                    yield Output("stderr", payload)
-                elif kind == b"r":
+                    cap.note_stderr(payload)
+                    if payload := cap.take(payload):
+                        err += payload
+                        yield Output("stderr", payload)
+                while notices:  # the truncation notice, once, on stderr
+                    note = notices.pop()
+                    err += note
+                    yield Output("stderr", note)
+                if kind == b"r":
                     result = json.loads(payload)
                     break
         if "error" in result:
             raise SandboxError(f"the session supervisor refused the exec: {result['error']}")
         code = int(result["exit_code"])
+        after = watch.read()
         if result.get("timed_out"):
-            cause, code = ExitCause.TIMEOUT, 124
-        elif result.get("killed"):
-            cause = ExitCause.KILLED
-        elif code == 137 and self._oom_killed():
-            cause = ExitCause.OOM
-        elif code in (137, 143):
-            cause = ExitCause.KILLED
+            # A fork or thread bomb ends by the timeout; the pids limit is what it ran into.
+            cause = ExitCause.PIDS_LIMIT if after.pids_max_hits > before.pids_max_hits else ExitCause.TIMEOUT
+            code = 124
         else:
-            cause = ExitCause.EXIT
+            cause = classify_end(code, before, after, cap.tail, killed_by_us=bool(result.get("killed")))
         duration = time.monotonic() - started
         self.state.touch(self.id)
         self.state.audit(
@@ -462,7 +473,7 @@ class Sandbox:
             cause=cause.value,
             duration_s=round(duration, 4),
         )
-        yield ExecResult(code, bytes(out), bytes(err), cause, duration)
+        yield ExecResult(code, bytes(out), bytes(err), cause, duration, cap.truncated)
 
     def exec(
         self,
@@ -482,12 +493,14 @@ class Sandbox:
                 on_output(item)
         raise SandboxError("the exec ended without a result")  # pragma: no cover
 
-    def _oom_killed(self) -> bool:
-        if not self.record.container_id:
-            return False
-        with contextlib.suppress(Exception):
-            return bool(self.api.inspect_container(self.record.container_id)["State"].get("OOMKilled"))
-        return False
+    def _cgroup_watch(self) -> CgroupWatch:
+        """The session container's cgroup counters (located once per handle)."""
+        if self._watch is None:
+            pid = 0
+            with contextlib.suppress(Exception):
+                pid = int(self.api.inspect_container(self.record.container_id)["State"].get("Pid") or 0)
+            self._watch = CgroupWatch(pid)
+        return self._watch
 
     # -- live changes -------------------------------------------------------------------------
     def update_policy(self, policy: Policy | str | os.PathLike[str]) -> dict[str, list[str]]:

@@ -8,9 +8,7 @@ from sandman.bwrap import BwrapSpec, ProbeFailure, base_env, bwrap_argv, classif
 
 
 def test_bwrap_argv_exact_output() -> None:
-    argv = bwrap_argv(
-        BwrapSpec(command=["sh", "-c", "echo hi"], env={"HOME": "/home/agent", "PATH": "/usr/bin"})
-    )
+    argv = bwrap_argv(BwrapSpec(command=["sh", "-c", "echo hi"], env={"HOME": "/home/agent", "PATH": "/usr/bin"}))
     assert argv == [
         "/usr/bin/bwrap",
         "--unshare-all", "--unshare-user", "--disable-userns", "--new-session", "--die-with-parent",
@@ -24,8 +22,8 @@ def test_bwrap_argv_exact_output() -> None:
         "--ro-bind", "/sys", "/sys",
         "--proc", "/proc",
         "--dev", "/dev",
-        "--tmpfs", "/tmp",
-        "--tmpfs", "/home/agent",
+        "--bind", "/tmp", "/tmp",
+        "--bind", "/home/agent", "/home/agent",
         "--bind", "/workspace", "/workspace",
         "--ro-bind-try", "/opt/sandman/tools", "/opt/sandman/tools",
         "--ro-bind-try", "/run/sandman/upcall", "/run/sandman/upcall",

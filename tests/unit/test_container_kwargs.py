@@ -63,7 +63,10 @@ def test_container_kwargs_exact_output() -> None:
             "MemorySwap": 1 << 30,
             "PidsLimit": 256,
             "ReadonlyRootfs": True,
-            "Tmpfs": {"/tmp": f"rw,nosuid,nodev,size={64 << 20},nr_inodes=4096,mode=1777"},
+            "Tmpfs": {
+                "/tmp": f"rw,nosuid,nodev,size={64 << 20},nr_inodes=4096,mode=1777",
+                "/home/agent": f"rw,nosuid,nodev,size={64 << 20},nr_inodes=4096,mode=1777",
+            },
             "CapDrop": ["ALL"],
             "SecurityOpt": ["no-new-privileges", 'seccomp={"defaultAction": "SCMP_ACT_ERRNO"}'],
             "MaskedPaths": [],
@@ -98,6 +101,7 @@ def test_gvisor_runtime_is_passed_through() -> None:
     assert container_kwargs(spec(runtime=Runtime.RUNSC))["host_config"]["Runtime"] == "runsc"
 
 
-def test_tmpfs_must_stay_below_memory() -> None:
+def test_tmpfs_must_stay_below_half_the_memory() -> None:
     with pytest.raises(ValueError, match="tmpfs_size"):
-        Resources(memory="128m", tmpfs_size="256m")
+        Resources(memory="128m", tmpfs_size="64m")  # /tmp and HOME full: all of the memory
+    Resources(memory="128m", tmpfs_size="63m")

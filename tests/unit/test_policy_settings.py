@@ -56,7 +56,7 @@ def test_unknown_key_names_file_and_key(tmp_path: Path) -> None:
 def test_invalid_value_gives_the_reason(tmp_path: Path) -> None:
     f = tmp_path / "p.toml"
     f.write_text("[resources]\nmemory = '128m'\ntmpfs_size = '256m'\n")
-    with pytest.raises(ConfigError, match="tmpfs_size .* must be below memory"):
+    with pytest.raises(ConfigError, match="tmpfs_size .* must be below half of memory"):
         load_policy(f)
 
 
@@ -73,9 +73,7 @@ def test_settings_come_from_env_over_file_and_describe_says_where(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = tmp_path / "config.toml"
-    cfg.write_text(
-        'base_image = "debian:trixie-slim"\nstate_dir = "/srv/state"\n[secrets]\nAPI_KEY = "s3cr3t"\n'
-    )
+    cfg.write_text('base_image = "debian:trixie-slim"\nstate_dir = "/srv/state"\n[secrets]\nAPI_KEY = "s3cr3t"\n')
     monkeypatch.setenv("SANDMAN_CONFIG", str(cfg))
     monkeypatch.setenv("SANDMAN_STATE_DIR", "/from/env")
     settings = Settings.load()
@@ -93,3 +91,10 @@ def test_bad_setting_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("SANDMAN_ENGINE_TIMEOUT_S", "soon")
     with pytest.raises(ConfigError, match="SANDMAN_ENGINE_TIMEOUT_S.*engine_timeout_s"):
         Settings.load()
+
+
+def test_a_lower_memory_cap_alone_shrinks_the_tmpfs() -> None:
+    policy = load_policy().with_resources(memory="512m")
+    assert policy.resources.memory == 512 << 20 and policy.resources.tmpfs_size == 128 << 20
+    with pytest.raises(UsageError, match="tmpfs_size"):
+        load_policy().with_resources(memory="512m", tmpfs_size="300m")
