@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -50,7 +50,8 @@ class HelperContext:
     session_id: str
     workspace: Workspace
     settings: Settings
-    created_prs: set[int] = field(default_factory=set)
+    created_prs: set[int | tuple[str, int]] = field(default_factory=set)  # (repo, number) this session made
+    record: Callable[..., None] | None = None  # writes an audit event for this session
 
 
 class _Config(BaseModel):

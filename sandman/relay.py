@@ -56,7 +56,7 @@ class RelayContext:
     settings: Settings
     socket_path: Path
     scrub: Callable[[str], str] = field(default=lambda text: text)
-    created_prs: set[int] = field(default_factory=set)
+    created_prs: set[int | tuple[str, int]] = field(default_factory=set)
 
 
 class _Bucket:
@@ -84,6 +84,10 @@ class Relay:
         self.helpers = available_helpers(ctx.policy, ctx.settings)
         self.state = StateStore(ctx.settings.state_dir, scrub=ctx.scrub)
         self.calls = 0
+        # PRs this session created survive a relay restart: they are in the audit log.
+        for event in self.state.events(session=ctx.session_id):
+            if event.event == "gh.pr_created":
+                ctx.created_prs.add((str(event.detail["repo"]), int(event.detail["number"])))
 
     async def start(self) -> None:
         path = self.ctx.socket_path
@@ -193,7 +197,13 @@ class Relay:
         if helper is None:
             self._audit(name, args, "refused", None, started, "helper not allowed by this session's policy")
             raise RpcError(REFUSED, f"helper {name!r} is not allowed in this session: see `sandman-upcall list`")
-        hctx = HelperContext(self.ctx.session_id, self.ctx.workspace, self.ctx.settings, self.ctx.created_prs)
+        hctx = HelperContext(
+            self.ctx.session_id,
+            self.ctx.workspace,
+            self.ctx.settings,
+            self.ctx.created_prs,
+            record=lambda event, **detail: self.state.audit(self.ctx.session_id, event, "ok", **detail),
+        )
         self.calls += 1
         try:
             result: HelperResult = await asyncio.wait_for(helper.run(args, stdin, hctx), CALL_TIMEOUT_S)

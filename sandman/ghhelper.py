@@ -1,0 +1,56 @@
+"""The ``gh`` upcall helper: gh-restricted (sandman.ghrestricted) behind the relay.
+
+The sandbox's ``gh`` shim sends its argv here; gh-restricted decides (reads from a fixed list,
+draft PRs on allowed repos, edits and comments only on PRs this session created) and runs the
+real ``gh`` with an argv rebuilt from the decision. The GitHub token is a host secret named in the
+helper's config; it exists only in that gh process's environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from sandman.ghrestricted import GhConfig, GhError, GhRefused, evaluate, execute
+from sandman.helpers import Helper, HelperContext, HelperError, HelperResult, _Config
+
+
+class GhHelperConfig(_Config):
+    mode: Literal["read-only", "draft-prs"] = "read-only"
+    allowed_repos: list[str] = Field(default_factory=list)
+    host: str = "github.com"
+    token_secret: str = Field(default="GITHUB_TOKEN", description="settings secret holding the token")
+    ca_file: str | None = Field(default=None, description="extra CA bundle for a private GitHub Enterprise")
+    gh_path: str = "gh"
+
+
+class GhHelper(Helper):
+    name: ClassVar[str] = "gh"
+    description: ClassVar[str] = "GitHub CLI, restricted: reads, and draft pull requests on allowed repositories"
+    Config: ClassVar[type[_Config]] = GhHelperConfig
+
+    async def run(self, args: list[str], stdin: str | None, ctx: HelperContext) -> HelperResult:
+        cfg = self.config
+        assert isinstance(cfg, GhHelperConfig)
+        gh_config = GhConfig(mode=cfg.mode, allowed_repos=cfg.allowed_repos, host=cfg.host)
+        decision = evaluate(args, gh_config, ctx.created_prs)
+        if not decision.allowed:
+            raise HelperError(decision.message)
+        token = self.settings.secrets.get(cfg.token_secret)
+        if token is None:
+            raise HelperError(f"gh: the host has no secret {cfg.token_secret!r} (settings [secrets])")
+        env_extra = {"SSL_CERT_FILE": cfg.ca_file} if cfg.ca_file else {}
+        try:
+            result = await asyncio.to_thread(
+                execute, decision, gh_config, token.get_secret_value(), cfg.gh_path, env_extra
+            )
+        except (GhRefused, GhError) as exc:
+            raise HelperError(str(exc)) from None
+        if result.created_pr is not None and decision.action is not None:
+            pr = (decision.action.repo, result.created_pr)
+            ctx.created_prs.add(pr)
+            if ctx.record is not None:
+                ctx.record("gh.pr_created", repo=pr[0], number=pr[1])
+        return HelperResult(result.exit_code, result.stdout, result.stderr, result.truncated)
