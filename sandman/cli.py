@@ -64,18 +64,14 @@ def app() -> None:
     show_default=True,
     help="Project directory, mounted read-write at /workspace.",
 )
-@click.option(
-    "--campaign", help="Campaign name (.sandman/campaigns/NAME.toml); default: .sandman/image.toml."
-)
+@click.option("--campaign", help="Campaign name (.sandman/campaigns/NAME.toml); default: .sandman/image.toml.")
 @click.option(
     "--policy", type=click.Path(path_type=Path), help="Policy file (default: the operator's, else sandman's)."
 )
 @click.option("--cpus", type=click.FloatRange(min=0.01), help="CPU cap, e.g. 1.5.")
 @click.option("--memory", help="Memory cap (memory+swap), e.g. 512m or 2g.")
 @click.option("--pids", type=click.IntRange(min=16), help="Maximum number of processes.")
-@click.option(
-    "--timeout", type=click.FloatRange(min=0.001), help="Seconds before the whole process tree is killed."
-)
+@click.option("--timeout", type=click.FloatRange(min=0.001), help="Seconds before the whole process tree is killed.")
 @json_option
 def run(
     command: tuple[str, ...],
@@ -193,9 +189,7 @@ def image() -> None:
 @click.option("--rebuild", is_flag=True, help="Rebuild even when the image is cached.")
 @click.option("--base-only", is_flag=True, help="Only the base and agent images (no workspace needed).")
 @json_option
-def image_build(
-    workspace: Path, campaign: str | None, rebuild: bool, base_only: bool, json_out: bool
-) -> None:
+def image_build(workspace: Path, campaign: str | None, rebuild: bool, base_only: bool, json_out: bool) -> None:
     """Build (or find cached) the image for a workspace's campaign."""
     from sandman.image import Campaign, CampaignImage, load_campaign
     from sandman.runner import Runner
@@ -231,9 +225,7 @@ def image_ls(json_out: bool) -> None:
         return
     click.echo(f"{'KIND':<13}{'CAMPAIGN':<20}{'ID':<14}{'SIZE':>9}  TAGS")
     for r in rows:
-        click.echo(
-            f"{r['kind']:<13}{r['campaign']:<20}{r['id']:<14}{r['size_mb']:>7}MB  {', '.join(r['tags'])}"
-        )
+        click.echo(f"{r['kind']:<13}{r['campaign']:<20}{r['id']:<14}{r['size_mb']:>7}MB  {', '.join(r['tags'])}")
 
 
 @image.command("prune")
@@ -551,9 +543,7 @@ def pool_start(workspace: Path, size: int, campaign: str | None, policy: str | N
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        click.echo(
-            f"pool maintainer started (pid {proc.pid}); stop it with `sandman pool stop -w {workspace}`"
-        )
+        click.echo(f"pool maintainer started (pid {proc.pid}); stop it with `sandman pool stop -w {workspace}`")
         return
     try:
         _reconcile_quietly()
@@ -580,9 +570,7 @@ def pool_start(workspace: Path, size: int, campaign: str | None, policy: str | N
 @click.option("--policy", help="Policy name or file.")
 @click.option("--timeout", type=float, default=60.0, show_default=True)
 @json_option
-def pool_acquire(
-    workspace: Path, campaign: str | None, policy: str | None, timeout: float, json_out: bool
-) -> None:
+def pool_acquire(workspace: Path, campaign: str | None, policy: str | None, timeout: float, json_out: bool) -> None:
     """Take a ready sandbox out of the pool; it becomes an ordinary session (stop it when done)."""
     from sandman.image import load_campaign
     from sandman.pool import acquire, pool_key
@@ -707,9 +695,7 @@ def policy_group() -> None:
 
 
 @policy_group.command("show")
-@click.option(
-    "-w", "--workspace", type=click.Path(path_type=Path), help="Include this workspace's campaign policy."
-)
+@click.option("-w", "--workspace", type=click.Path(path_type=Path), help="Include this workspace's campaign policy.")
 @click.option("--policy", help="Operator policy name (default, strict) or file.")
 @json_option
 def policy_show(workspace: Path | None, policy: str | None, json_out: bool) -> None:

@@ -300,8 +300,7 @@ def _parse_git(args: Sequence[str]) -> _Parsed:
                 return _Parsed(
                     None,
                     (),
-                    f"'{name} {key}' can turn an allowed git command into a blocked "
-                    "one: run the command without it",
+                    f"'{name} {key}' can turn an allowed git command into a blocked one: run the command without it",
                 )
     return _Parsed(None, ())
 
@@ -318,8 +317,7 @@ def _parse_generic(args: Sequence[str], rule: ProgramRule) -> _Parsed:
         return _Parsed(
             None,
             (),
-            f"option {args[0]!r} comes before the subcommand, which this rule cannot "
-            "parse: put the subcommand first",
+            f"option {args[0]!r} comes before the subcommand, which this rule cannot parse: put the subcommand first",
         )
     return _Parsed(None, tuple(args))
 

@@ -67,11 +67,7 @@ def run_checks(settings: Settings) -> list[Check]:
             has_runsc,
             "registered"
             if has_runsc
-            else (
-                "runsc binary present, not registered with dockerd"
-                if shutil.which("runsc")
-                else "not installed"
-            ),
+            else ("runsc binary present, not registered with dockerd" if shutil.which("runsc") else "not installed"),
             'optional: apt-get install runsc, then add it to /etc/docker/daemon.json "runtimes"',
             required=False,
         )
@@ -134,9 +130,7 @@ def run_checks(settings: Settings) -> list[Check]:
             f"free at least {MIN_FREE_GB} GB for images and sandboxes",
         )
     )
-    checks.append(
-        Check("host", True, f"{platform.system()} {platform.release()} {platform.machine()}", required=False)
-    )
+    checks.append(Check("host", True, f"{platform.system()} {platform.release()} {platform.machine()}", required=False))
     return checks
 
 

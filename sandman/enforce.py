@@ -130,9 +130,7 @@ def container_cwd(cwd: str | os.PathLike[str] | None, ws: Workspace, policy: Pol
     if text == bwrap.WORKSPACE or text.startswith(bwrap.WORKSPACE + "/"):
         text = text[len(bwrap.WORKSPACE) :].lstrip("/") or "."
     try:
-        real = validate_path(
-            ws.path, text, deny=policy.filesystem.deny, allow=policy.filesystem.allow, must_exist=True
-        )
+        real = validate_path(ws.path, text, deny=policy.filesystem.deny, allow=policy.filesystem.allow, must_exist=True)
     except PathDenied as exc:
         raise UsageError(f"cwd {os.fspath(cwd)!r} refused: {exc}") from None
     if not real.is_dir():

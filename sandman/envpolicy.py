@@ -69,9 +69,7 @@ DEFAULT_REFUSED_PATTERNS: tuple[str, ...] = (
 
 def _check_name(name: str) -> str:
     if not _NAME.match(name):
-        raise ValueError(
-            f"{name!r} is not a variable name: use letters, digits and '_', not starting with a digit"
-        )
+        raise ValueError(f"{name!r} is not a variable name: use letters, digits and '_', not starting with a digit")
     return name
 
 
@@ -159,9 +157,7 @@ def validate_policy(policy: EnvironmentPolicy) -> None:
         raise ConfigError(problem)
 
 
-def build_env(
-    policy: EnvironmentPolicy, host_env: Mapping[str, str], controller_env: Mapping[str, str]
-) -> EnvResult:
+def build_env(policy: EnvironmentPolicy, host_env: Mapping[str, str], controller_env: Mapping[str, str]) -> EnvResult:
     """The complete environment of a sandboxed command, and what was refused on the way.
 
     Refuses per variable rather than failing the run, so an unvalidated policy still leaks nothing.
@@ -187,9 +183,7 @@ def build_env(
             put(name, host_env[name], "environment.passthrough")
     for name, value in controller_env.items():
         if not (_NAME.match(name) and name.startswith(RESERVED_PREFIX)):
-            refused.append(
-                (name, f"controller: only {RESERVED_PREFIX}* variables may come from the controller")
-            )
+            refused.append((name, f"controller: only {RESERVED_PREFIX}* variables may come from the controller"))
         else:
             put(name, value, "controller")
     return EnvResult(env, refused)

@@ -137,9 +137,7 @@ def load_campaign(workspace: Path, name: str | None = None) -> Campaign:
         spec = _read_campaign_file(path) if path.is_file() else CampaignImage()
         return Campaign(spec.name or campaign_slug(workspace.name), spec, path if path.is_file() else None)
     if not _CAMPAIGN_NAME.match(name):
-        raise CampaignError(
-            f"campaign name {name!r} is invalid: use lowercase letters, digits, '.', '_', '-'"
-        )
+        raise CampaignError(f"campaign name {name!r} is invalid: use lowercase letters, digits, '.', '_', '-'")
     path = sandman_dir / "campaigns" / f"{name}.toml"
     if not path.is_file():
         known = sorted(p.stem for p in (sandman_dir / "campaigns").glob("*.toml"))
@@ -224,9 +222,7 @@ class ImageManager:
         if self._try_pull(self.base_image):
             return self.base_image
         if not allow_build:
-            raise ImageError(
-                f"base image {self.base_image} is missing and cannot be pulled: run `sandman image build`"
-            )
+            raise ImageError(f"base image {self.base_image} is missing and cannot be pulled: run `sandman image build`")
         progress(f"pull failed: building {self.offline_base_image} offline with debootstrap")
         build_offline_base(self.api, self.offline_base_image, progress)
         return self.offline_base_image
@@ -376,9 +372,7 @@ def apt_mirror() -> str | None:
         if path.suffix == ".sources":
             for stanza in text.split("\n\n"):
                 fields = dict(
-                    line.split(":", 1)
-                    for line in stanza.splitlines()
-                    if ":" in line and not line.startswith("#")
+                    line.split(":", 1) for line in stanza.splitlines() if ":" in line and not line.startswith("#")
                 )
                 uris = fields.get("URIs", "").split()
                 suites = fields.get("Suites", "").split()
@@ -400,9 +394,7 @@ def build_offline_base(api: docker.APIClient, tag: str, progress: Progress = _qu
             "(or make a registry reachable)"
         )
     if os.geteuid() != 0:
-        raise ImageError(
-            "building the base image offline needs root (debootstrap): run scripts/setup as root"
-        )
+        raise ImageError("building the base image offline needs root (debootstrap): run scripts/setup as root")
     repo, _, version = tag.rpartition(":")
     with tempfile.TemporaryDirectory(prefix="sandman-rootfs-") as tmp:
         rootfs = Path(tmp) / "rootfs"
@@ -423,9 +415,7 @@ def build_offline_base(api: docker.APIClient, tag: str, progress: Progress = _qu
         for line in proc.stdout:
             line = line.rstrip()
             tail = [*tail[-20:], line]
-            if line.startswith(
-                ("I: Retrieving", "I: Extracting", "I: Installing", "I: Configuring", "I: Base")
-            ):
+            if line.startswith(("I: Retrieving", "I: Extracting", "I: Installing", "I: Configuring", "I: Base")):
                 if not line.startswith(("I: Retrieving ", "I: Extracting ")) or line.endswith("..."):
                     progress(line[3:])
         if proc.wait() != 0:
@@ -435,9 +425,7 @@ def build_offline_base(api: docker.APIClient, tag: str, progress: Progress = _qu
                 if p.is_file():
                     p.unlink()
         progress(f"importing the root filesystem as {tag}")
-        tar = subprocess.Popen(
-            ["tar", "-C", str(rootfs), "--numeric-owner", "-c", "."], stdout=subprocess.PIPE
-        )
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-c", "."], stdout=subprocess.PIPE)
         assert tar.stdout is not None
         try:
             api.import_image_from_stream(

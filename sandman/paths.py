@@ -96,14 +96,10 @@ def _compile(text: str) -> _Glob:
     anchored = body.startswith("/")
     body = body.lstrip("/")
     if not body or "\x00" in body:
-        raise ConfigError(
-            f"path glob {text!r} is empty or contains a NUL byte: write e.g. '.env' or 'secrets/**'"
-        )
+        raise ConfigError(f"path glob {text!r} is empty or contains a NUL byte: write e.g. '.env' or 'secrets/**'")
     parts = body.split("/")
     if any(p in ("", ".", "..") for p in parts):
-        raise ConfigError(
-            f"path glob {text!r} has an empty, '.' or '..' component: write it relative to the root"
-        )
+        raise ConfigError(f"path glob {text!r} has an empty, '.' or '..' component: write it relative to the root")
     collapsed: list[str] = []
     for p in parts:
         if not (p == "**" and collapsed and collapsed[-1] == "**"):
@@ -196,8 +192,7 @@ def validate_path(
     rel_real = real.relative_to(root).as_posix()
     if rule := denied_by(rel_real, deny, allow):
         raise PathDenied(
-            f"{text!r} resolves to {rel_real!r}, which is denied by rule {rule!r}: "
-            "it stays out of the sandbox's reach"
+            f"{text!r} resolves to {rel_real!r}, which is denied by rule {rule!r}: it stays out of the sandbox's reach"
         )
     if must_exist and not real.exists():
         raise UsageError(f"{text!r} does not exist in the workspace")

@@ -108,9 +108,7 @@ class Pool:
 
     def acquire(self, timeout: float = 60.0, owned: bool = True) -> Sandbox:
         """Take a ready sandbox out of the pool (waiting up to ``timeout`` for one)."""
-        return acquire(
-            self.key, self.settings, timeout=timeout, owned=owned, wake=self._wake, runner=self._runner
-        )
+        return acquire(self.key, self.settings, timeout=timeout, owned=owned, wake=self._wake, runner=self._runner)
 
     def release(self, sandbox: Sandbox) -> None:
         """Destroy a sandbox taken from the pool; it is never reused."""
@@ -157,7 +155,5 @@ def acquire(
             store.audit(rec.id, "pool.acquire", pool=key)
             return Sandbox(settings=settings, _record=rec, _runner=runner)
         if time.monotonic() >= deadline:
-            raise SandmanError(
-                f"no sandbox ready in pool within {timeout:.0f}s: is `sandman pool start` running?"
-            )
+            raise SandmanError(f"no sandbox ready in pool within {timeout:.0f}s: is `sandman pool start` running?")
         time.sleep(0.02)

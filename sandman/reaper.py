@@ -43,8 +43,7 @@ def reconcile(api: docker.APIClient, store: StateStore, runtime_root: Path) -> R
     report = ReconcileReport()
     mine = f"{LABEL_STATE}={state_id_for(store.path.parent)}"
     containers = {
-        c["Labels"][LABEL_SESSION]: c
-        for c in api.containers(all=True, filters={"label": [LABEL_SESSION, mine]})
+        c["Labels"][LABEL_SESSION]: c for c in api.containers(all=True, filters={"label": [LABEL_SESSION, mine]})
     }
     records = {r.id: r for r in store.sessions(live_only=True)}
 

@@ -18,25 +18,33 @@ without the key -- a plain hash could, and known secrets may well be guessable p
 
 How it is fast (figures: scripts/bench_scrub.py). Every literal to look for -- each known secret
 in each of its forms, each pattern's fixed start ("anchor", e.g. ``ghp_``) and the encoded forms
-of those anchors -- goes into one Aho-Corasick automaton (``ahocorasick_rs``, a DFA; measured at
-several times the speed of a regex alternation or of ``pyahocorasick``), so the text is read once
-whatever the number of secrets; regexes run only where an anchor was seen. Patterns without a
+of those anchors -- goes into one Aho-Corasick automaton (``ahocorasick_rs``, a DFA: measured at
+over 500 MB/s where ``pyahocorasick`` gave about 50 and a regex alternation about 10), so the text
+is read once whatever the number of secrets, and regexes run only where an anchor was seen (a
+byte check first drops anchors glued to a word, like the ``sk-`` in ``task-``). Patterns without a
 fixed start (Discord, Telegram) are found by ``bytes.find`` of their shape in a copy of the text
-where every token character is the same letter; only base64 runs long enough to hold such a token
-are decoded. Without ``ahocorasick_rs`` a regex alternation stands in (same results, slower).
+where every token character is the same letter. For their encoded forms, base64 runs long enough
+to hold a token are first decoded all at once at each alignment (C speed) and only decoded again
+window by window where that shows a token's shape. Without ``ahocorasick_rs`` a regex alternation
+stands in: same results, much slower.
 
 How base64 of a substring is found: its encoding depends on the value's offset modulo 3 in the
 encoded blob, so each value is encoded at offsets 0, 1 and 2 and the characters that mix in
 neighbouring bytes are dropped; any of those three "cores" marks an occurrence. The redaction
 then also takes the one mixed character on each side (and the ``=`` padding) when present, so no
-bit of the secret is left behind.
+bit of the secret is left behind. From an encoded anchor, decoding follows line breaks, so a
+private key run through ``base64`` (76 columns) or ``xxd -p`` is redacted whole.
 
 Streaming (``Scrubber.stream()``) gives exactly the bytes that scrubbing the whole input at once
-gives, chunking never matters. It holds back only what a match may still need: the longest needle
-plus a few bytes, 128 bytes for the unanchored patterns, and past an anchor seen near the end up to
-that pattern's bound -- every pattern's token is at most ``MAX_TOKEN`` (512) bytes long (a longer
-run is redacted for its first 512 bytes), a PEM key at most ``PEM_MAX_BODY`` (16 KiB) -- and never
-splits a multi-byte UTF-8 character.
+gives: chunking never matters. It holds back only what a match may still need: the longest needle
+plus 4 bytes, 128 bytes for the unanchored patterns, the current window (up to 512 bytes) inside a
+long base64 run, and from an anchor seen near the end up to that pattern's bound -- every pattern's
+token is at most ``MAX_TOKEN`` (512) bytes (of a longer run, the first 512 are redacted), a PEM key
+body at most ``PEM_MAX_BODY`` (16 KiB; a key without its END line is redacted up to the first
+character that cannot be in one) -- and it never splits a multi-byte UTF-8 character.
+
+Not caught: a known secret split by a line break inside wrapped base64; encodings nested in
+encodings (base64 of hex, ...); JSON ``\\u`` escapes; hex in mixed case.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ import hashlib
 import hmac
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal, NamedTuple, Protocol
@@ -125,18 +133,24 @@ class LeakPattern:
     """A credential format. ``anchors``: literal bytes every match starts with (found by the
     automaton); without anchors, ``probes`` find it: (shape, back) pairs where shape is searched in
     the text with every token character turned into ``a`` and a match starts 0..back bytes before.
-    A group named ``secret``, when present, is the part to redact."""
+    A group named ``secret``, when present, is the part to redact. ``boundary``: bytes that cannot
+    directly precede a match unless part of a ``\\n`` or ``%XX`` escape (what its lookbehind says):
+    lets the many false anchors ("task-", "disk-") be dropped before any regex runs."""
 
     kind: str
     regex: re.Pattern[bytes]
     anchors: tuple[bytes, ...] = ()
     probes: tuple[tuple[bytes, int], ...] = ()
     window: int = MAX_TOKEN + _SLACK  # furthest a successful match attempt reads past its start
-    miss_window: int = MAX_TOKEN + _SLACK  # the same for an attempt that fails
+    # ...and one that fails: the fixed start, the minimum count, lookarounds (at most ~80 here)
+    miss_window: int = _SLACK
+    boundary: frozenset[int] = frozenset()
 
 
-# Most keys follow a word boundary; JSON-escaped newlines ("\nsk-...") count as one.
-_B = rb"(?:(?<![A-Za-z0-9_-])|(?<=\\[nrt]))"
+_WORD = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-"
+# Most keys follow a word boundary; so do a JSON escape ("\nsk-...") and a URL escape ("%3Dsk-...").
+_ESCAPED = rb"(?<=\\[nrt])|(?<=%[0-9A-Fa-f]{2})"
+_B = rb"(?:(?<![A-Za-z0-9_-])|" + _ESCAPED + rb")"
 _PEM_HEAD = rb"-----BEGIN[A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----"
 _PEM_BODY = rb"(?:[A-Za-z0-9+/=\s:,.]|\\[nrt]|-(?!----)){0,%d}" % PEM_MAX_BODY
 _PEM_TAIL = rb"(?:-----END[A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----)?"
@@ -147,20 +161,32 @@ def _p(
     regex: bytes,
     anchors: Iterable[str],
     window: int = MAX_TOKEN + _SLACK,
-    miss_window: int = MAX_TOKEN + _SLACK,
+    boundary: bytes = b"",
 ) -> LeakPattern:
-    return LeakPattern(kind, re.compile(regex), tuple(a.encode() for a in anchors), (), window, miss_window)
+    return LeakPattern(
+        kind, re.compile(regex), tuple(a.encode() for a in anchors), (), window, _SLACK, frozenset(boundary)
+    )
 
 
 PATTERNS: tuple[LeakPattern, ...] = (
-    _p("openai", _B + rb"sk-(?:(?:proj|svcacct|admin)-[A-Za-z0-9_-]{20,480}|[A-Za-z0-9]{20,480})", ["sk-"]),
-    _p("anthropic", _B + rb"sk-ant-[A-Za-z0-9_-]{20,480}", ["sk-ant-"]),
-    _p("openrouter", _B + rb"sk-or-v1-[A-Za-z0-9]{32,480}", ["sk-or-v1-"]),
+    _p(
+        "openai",
+        _B + rb"sk-(?:(?:proj|svcacct|admin)-[A-Za-z0-9_-]{20,480}|[A-Za-z0-9]{20,480})",
+        ["sk-"],
+        boundary=_WORD,
+    ),
+    _p("anthropic", _B + rb"sk-ant-[A-Za-z0-9_-]{20,480}", ["sk-ant-"], boundary=_WORD),
+    _p("openrouter", _B + rb"sk-or-v1-[A-Za-z0-9]{32,480}", ["sk-or-v1-"], boundary=_WORD),
     _p("github", rb"gh[pousr]_[A-Za-z0-9]{36,251}", ["ghp_", "gho_", "ghu_", "ghs_", "ghr_"]),
     _p("github", rb"github_pat_[A-Za-z0-9_]{22,244}", ["github_pat_"]),
     _p("gitlab", rb"glpat-[A-Za-z0-9_-]{20,250}", ["glpat-"]),
     _p("google_api", rb"AIza[0-9A-Za-z_-]{35}", ["AIza"]),
-    _p("aws_access_key", rb"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])", ["AKIA", "ASIA"]),
+    _p(
+        "aws_access_key",
+        rb"(?:(?<![A-Z0-9])|" + _ESCAPED + rb")(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])",
+        ["AKIA", "ASIA"],
+        boundary=_WORD[:26] + _WORD[52:62],
+    ),
     _p(
         "aws_secret_key",
         rb"(?i:secret[_-]?access[_-]?key)[\"']?\s{0,8}[:=]{1,2}\s{0,8}[\"']?"
@@ -186,19 +212,20 @@ PATTERNS: tuple[LeakPattern, ...] = (
         _PEM_HEAD + _PEM_BODY + _PEM_TAIL,
         ["-----BEGIN"],
         window=PEM_MAX_BODY + 200 + _SLACK,
-        miss_window=80 + _SLACK,
     ),
     LeakPattern(
         "discord",
         re.compile(
-            rb"(?<![A-Za-z0-9_-])[MNO][A-Za-z0-9_-]{23,25}\.[A-Za-z0-9_-]{6}\.[A-Za-z0-9_-]{27,38}"
+            _B + rb"[MNO][A-Za-z0-9_-]{23,25}\.[A-Za-z0-9_-]{6}\.[A-Za-z0-9_-]{27,38}"
             rb"(?![A-Za-z0-9_-])"
         ),
         probes=((b"a" * 23 + b".aaaaaa." + b"a" * 27, 3),),
     ),
     LeakPattern(
         "telegram",
-        re.compile(rb"(?<![0-9])[0-9]{8,10}(?::|%3[Aa])[A-Za-z0-9_-]{35}(?![A-Za-z0-9_-])"),
+        re.compile(
+            rb"(?:(?<![0-9])|" + _ESCAPED + rb")[0-9]{8,10}(?::|%3[Aa])[A-Za-z0-9_-]{35}(?![A-Za-z0-9_-])"
+        ),
         probes=((b"a" * 8 + b":" + b"a" * 35, 2), (b"a" * 8 + b"%" + b"a" * 37, 2)),
     ),
 )
@@ -214,13 +241,14 @@ def _shape_table(letters: bytes, kept: bytes = b"") -> bytes:
     return bytes(table)
 
 
-_WORD = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-"
 _B64_CHARS = frozenset(_WORD + b"+/")
 _HEX_CHARS = frozenset(b"0123456789abcdefABCDEF")
 _T_PROBE = _shape_table(_WORD, b":%.")  # the separators the probes look for stay
 _T_B64 = _shape_table(_WORD + b"+/")
 _STD_TO_URLSAFE = bytes.maketrans(b"+/", b"-_")
 _URLSAFE_TO_STD = bytes.maketrans(b"-_", b"+/")
+_NOT_B64 = bytes(c for c in range(256) if c not in _B64_CHARS)
+_NOT_HEX = bytes(c for c in range(256) if c not in _HEX_CHARS)
 _HEX_RUN = re.compile(rb"[0-9a-fA-F]{%d,}" % _HEX_MINRUN)
 
 
@@ -366,21 +394,29 @@ class Scrubber:
                         add(variant, _Anchor(i, "base64", k))
         needles = self._needles = list(actions)
         self._actions = [actions[n] for n in needles]
+        # Per needle, the bytes before it that rule out every one of its actions (see boundary).
+        self._ruled_out: list[frozenset[int]] = []
+        for acts in self._actions:
+            ruled: frozenset[int] | None = None
+            for a in acts:
+                plain = isinstance(a, _Anchor) and a.encoding == "plain"
+                bound = self.patterns[a.pattern].boundary if isinstance(a, _Anchor) and plain else frozenset()
+                ruled = bound if ruled is None else ruled & bound
+            self._ruled_out.append(ruled or frozenset())
         self._index: _Index | None = None
+        use_ac = engine == "aho-corasick" or (engine == "auto" and ahocorasick_rs is not None)
         if needles:
-            use_ac = engine == "aho-corasick" or (engine == "auto" and ahocorasick_rs is not None)
             self._index = _AhoCorasickIndex(needles) if use_ac else _RegexIndex(needles)
-        self.engine = "none" if self._index is None else type(self._index).__name__
+        self.engine = "none" if self._index is None else "aho-corasick" if use_ac else "regex"
         self._probed = [(i, p) for i, p in enumerate(self.patterns) if p.probes]
-        # Bounded scanners for the encoded neighbourhood of an anchor, one per pattern.
-        self._b64_run = [
-            re.compile(rb"[A-Za-z0-9+/_-]{0,%d}" % ((p.window // 3 + 2) * 4)) for p in self.patterns
-        ]
-        self._hex_run = [re.compile(rb"[0-9a-fA-F]{0,%d}" % (2 * p.window + 2)) for p in self.patterns]
+        # Bounded scanners for the encoded neighbourhood of an anchor, one per pattern; base64 and
+        # hex go on across line breaks (``base64`` wraps at 76 columns, ``xxd -p`` at 60).
+        self._b64_run = [_wrapped_run(rb"[A-Za-z0-9+/_-]", (p.window // 3 + 2) * 4) for p in self.patterns]
+        self._hex_run = [_wrapped_run(rb"[0-9a-fA-F]", 2 * p.window + 2) for p in self.patterns]
         self._url_run = [re.compile(rb"[A-Za-z0-9_.~+%%-]{0,%d}" % (3 * p.window)) for p in self.patterns]
         longest = max((len(n) for n in needles), default=0)
         # What must stay unsent at the end of the buffer whatever was found there.
-        self._hold = max(longest + _BACK, _PROBE_HOLD if self._probed else 0)
+        self._hold = max(longest + _BACK if needles else 0, _PROBE_HOLD if self._probed else 0)
 
     # -- public conveniences ------------------------------------------------------------------
 
@@ -433,7 +469,11 @@ class Scrubber:
         hits: list[_Hit] = []
         limit = end if final else end - self._hold
         if self._index is not None:
+            ruled_out = self._ruled_out
             for nid, s, e in self._index.find(buf, begin):
+                c = buf[s - 1] if s else -1
+                if c in ruled_out[nid] and not _escape_before(buf, s):
+                    continue
                 for act in self._actions[nid]:
                     if isinstance(act, _SecretForm):
                         lim = self._secret_hit(act, buf, s, e, final, hits)
@@ -508,12 +548,15 @@ class Scrubber:
             ms, me = _secret_span(m)
             hits.append(_Hit(ms, me, s, pat.kind, "plain", buf[ms:me], 1))
         # Percent-encoded: every anchor is made of unreserved characters, so it survives as is.
+        escaped = s >= 3 and buf[s - 3] == 0x25 and buf[s - 2] in _HEX_CHARS and buf[s - 1] in _HEX_CHARS
+        reach = s + 3 * pat.window
+        if not escaped and buf.find(b"%", s, reach) < 0 and (final or reach <= end):
+            return None
         run = self._url_run[idx].match(buf, s)
         assert run is not None
         if not final and run.end() == end and run.end() - s < 3 * pat.window:
             return s
         raw = run.group()
-        escaped = s >= 3 and buf[s - 3] == 0x25 and buf[s - 2] in _HEX_CHARS and buf[s - 1] in _HEX_CHARS
         if b"%" not in raw and not escaped:
             return None
         prev = binascii.unhexlify(buf[s - 2 : s]) if escaped else buf[s - 1 : s] if s else b""
@@ -533,18 +576,17 @@ class Scrubber:
     ) -> int | None:
         run = self._hex_run[idx].match(buf, s)
         assert run is not None
-        bound = 2 * pat.window + 2
-        if not final and run.end() == len(buf) and run.end() - s < bound:
+        if not final and run.end() + 3 > len(buf):  # a line break and more digits may follow
             return s
         prev = b""
         if s >= 2 and buf[s - 2] in _HEX_CHARS and buf[s - 1] in _HEX_CHARS:
             prev = binascii.unhexlify(buf[s - 2 : s])
-        digits = run.group()
+        digits, where = _unwrap(buf, s, run.end())
         decoded = prev + binascii.unhexlify(digits[: len(digits) // 2 * 2])
         m = pat.regex.match(decoded, len(prev))
         if m:
             ds, de = _secret_span(m)
-            hs, he = s + 2 * (ds - len(prev)), s + 2 * (de - len(prev))
+            hs, he = where(2 * (ds - len(prev))), where(2 * (de - len(prev)))
             hits.append(_Hit(hs, he, s, pat.kind, "hex", decoded[ds:de], 1))
         return None
 
@@ -556,15 +598,16 @@ class Scrubber:
             return None
         run = self._b64_run[idx].match(buf, g)
         assert run is not None
-        if not final and run.end() + 2 >= len(buf):  # the run, or its "=" padding, may go on
+        if not final and run.end() + 3 > len(buf):  # the run (a line break, "=" padding) may go on
             return g
         # One group before, when there is one, gives the regex its lookbehind byte.
         first = g - 4 if g >= 4 and all(c in _B64_CHARS for c in buf[g - 4 : g]) else g
-        decoded = _b64_decode(buf[first : run.end()].translate(_URLSAFE_TO_STD))
+        chars, where = _unwrap(buf, first, run.end())
+        decoded = _b64_decode(chars.translate(_URLSAFE_TO_STD))
         m = pat.regex.match(decoded, (g - first) // 4 * 3 + k)
         if m:
             ds, de = _secret_span(m)
-            hs, he = first + 8 * ds // 6, min(first + -(-8 * de // 6), run.end())
+            hs, he = where(8 * ds // 6), where(min(-(-8 * de // 6), len(chars)))
             if he == run.end():
                 while he - run.end() < 2 and buf[he : he + 1] == b"=":
                     he += 1
@@ -592,34 +635,66 @@ class Scrubber:
     def _long_runs(self, buf: bytes, begin: int, base: int, final: bool, hits: list[_Hit]) -> int:
         """Unanchored patterns inside long base64 or hex runs, decoded window by window.
 
-        Windows start at the run's start and at every stream offset divisible by _STEP inside it,
-        so which windows exist does not depend on the chunking. Returns the cut limit."""
+        Windows start at a run's start and at every stream offset divisible by _STEP inside it,
+        so which windows exist does not depend on the chunking. Returns the cut limit: the first
+        window the buffer does not yet hold whole."""
         end = len(buf)
         limit = end
         shape = buf.translate(_T_B64)
-        if not final and end and shape[end - 1] == 0x61:
-            tail = shape.rfind(b" ") + 1
-            if end - tail < _B64_MINRUN:
-                limit = tail  # a run still too short to tell: its start may become a window
+        if not final and end and shape[end - 1] == 0x61:  # the buffer ends inside a run
+            run_start = shape.rfind(b" ") + 1
+            if run_start >= begin and run_start + _SEG > end:
+                limit = run_start
+            else:
+                x = max(run_start + 1, begin, end - _SEG + 1)
+                x += -(base + x) % _STEP
+                limit = min(limit, x)
         needle = b"a" * _B64_MINRUN
-        pos = begin
+        runs: list[tuple[int, int]] = []
+        pos, dense = begin, False
         while (p := shape.find(needle, pos)) >= 0:
             run_end = shape.find(b" ", p)
-            run_end = end if run_end < 0 else run_end
-            run_start = shape.rfind(b" ", 0, p) + 1
+            pos = run_end = end if run_end < 0 else run_end
+            runs.append((shape.rfind(b" ", 0, p) + 1, run_end))
+            if len(runs) == 8 and sum(b - a for a, b in runs) * 2 > run_end - runs[0][0]:
+                dense = True  # a dump of them: stop looping over runs here
+                break
+        if not runs:
+            return limit
+        if dense:  # one slice from the first run to the end of the last
+            last_end = shape.find(b" ", shape.rfind(needle))
+            candidates = buf[max(runs[0][0], begin) : end if last_end < 0 else last_end]
+        else:  # only the runs' characters
+            candidates = b" ".join(buf[max(a, begin) : b] for a, b in runs)
+        if not self._token_shaped(candidates):
+            return limit
+        while (p := shape.find(needle, pos)) >= 0:
+            run_end = shape.find(b" ", p)
+            pos = run_end = end if run_end < 0 else run_end
+            runs.append((shape.rfind(b" ", 0, p) + 1, run_end))
+        for run_start, run_end in runs:
             starts = [run_start] if run_start >= begin else []
             first = max(run_start + 1, begin)
             first += -(base + first) % _STEP
             starts.extend(range(first, run_end, _STEP))
             for x in starts:
                 if not (final or run_end < end or x + _SEG <= end):
-                    limit = min(limit, x)
-                    break
+                    break  # the limit keeps it back
                 stop = min(x + _SEG, run_end)
                 if stop - x >= _B64_MINRUN:
                     self._decode_window(buf, x, stop, hits)
-            pos = run_end
         return limit
+
+    def _token_shaped(self, runs: bytes) -> bool:
+        """Whether any window of these runs could decode to an unanchored token: their characters
+        decoded as one stream at each alignment hold every window's decoding, so no probe shape
+        there means no token in any window. C speed, no loop over windows."""
+        b64 = runs.translate(_URLSAFE_TO_STD, _NOT_B64)
+        hexd = runs.translate(None, _NOT_HEX)
+        streams = [_b64_decode(b64[a:]) for a in range(4)]
+        streams += [binascii.unhexlify(hexd[a : a + (len(hexd) - a) // 2 * 2]) for a in (0, 1)]
+        shape = b"\n".join(streams).translate(_T_PROBE)
+        return any(shape.find(needle) >= 0 for _, p in self._probed for needle, _ in p.probes)
 
     def _decode_window(self, buf: bytes, x: int, stop: int, hits: list[_Hit]) -> None:
         """Probe one window of a long run, decoded as base64 at its 4 alignments and as hex."""
@@ -728,6 +803,27 @@ class StreamScrubber:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _wrapped_run(char: bytes, bound: int) -> re.Pattern[bytes]:
+    """Up to ``bound`` characters of class ``char``, line breaks between them allowed."""
+    return re.compile(rb"(?:%s|\r?\n(?=%s)){0,%d}" % (char, char, bound))
+
+
+def _unwrap(buf: bytes, start: int, stop: int) -> tuple[bytes, Callable[[int], int]]:
+    """``buf[start:stop]`` without line breaks, and a map from an offset in that to one in buf."""
+    text = buf[start:stop]
+    if b"\n" not in text:
+        return text, lambda i: start + i
+    kept = [start + i for i, c in enumerate(text) if c not in b"\r\n"] + [stop]
+    return text.replace(b"\r", b"").replace(b"\n", b""), kept.__getitem__
+
+
+def _escape_before(buf: bytes, s: int) -> bool:
+    """Whether ``buf[:s]`` ends with a JSON (``\\n``) or URL (``%XX``) escape."""
+    if s >= 2 and buf[s - 2] == 0x5C and buf[s - 1] in b"nrt":
+        return True
+    return s >= 3 and buf[s - 3] == 0x25 and buf[s - 2] in _HEX_CHARS and buf[s - 1] in _HEX_CHARS
 
 
 def _lower_escapes(url: str) -> str:

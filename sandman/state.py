@@ -172,14 +172,11 @@ class StateStore:
             )
             return cur.rowcount == 1
 
-    def claim_pooled(
-        self, pool: str, owner_pid: int | None, owner_start: float | None
-    ) -> SessionRecord | None:
+    def claim_pooled(self, pool: str, owner_pid: int | None, owner_start: float | None) -> SessionRecord | None:
         """Atomically take the oldest ready sandbox of ``pool`` out of it (None when empty)."""
         with self._tx() as db:
             row = db.execute(
-                "SELECT id FROM sessions WHERE state = ? AND pool = ? AND ended IS NULL "
-                "ORDER BY created LIMIT 1",
+                "SELECT id FROM sessions WHERE state = ? AND pool = ? AND ended IS NULL ORDER BY created LIMIT 1",
                 (SessionState.POOLED.value, pool),
             ).fetchone()
             if row is None:
@@ -222,9 +219,7 @@ class StateStore:
             (time.time(), session, event, verdict, text),
         )
 
-    def events(
-        self, session: str | None = None, since: float | None = None, limit: int = 10000
-    ) -> list[AuditEvent]:
+    def events(self, session: str | None = None, since: float | None = None, limit: int = 10000) -> list[AuditEvent]:
         query = "SELECT id, ts, session, event, verdict, detail FROM audit"
         args: list[Any] = []
         where = []
@@ -238,6 +233,4 @@ class StateStore:
             query += " WHERE " + " AND ".join(where)
         query += " ORDER BY id LIMIT ?"
         args.append(limit)
-        return [
-            AuditEvent(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in self._db.execute(query, args)
-        ]
+        return [AuditEvent(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in self._db.execute(query, args)]

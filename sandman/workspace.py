@@ -45,9 +45,7 @@ def resolve_workspace(raw: str | os.PathLike[str]) -> Workspace:
         raise WorkspaceError("workspace is / : pass a project directory, never the whole filesystem")
     home = Path.home().resolve()
     if real == home:
-        raise WorkspaceError(
-            f"workspace {text!r} is your home directory itself: pass a project directory inside it"
-        )
+        raise WorkspaceError(f"workspace {text!r} is your home directory itself: pass a project directory inside it")
     st = real.stat()
     if st.st_uid == 0:
         raise WorkspaceError(

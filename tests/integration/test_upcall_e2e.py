@@ -116,7 +116,7 @@ def test_draft_pr_flow_and_refusals(world: tuple[Sandbox, FakeGitHub, Path]) -> 
 def test_the_token_is_nowhere_inside_or_in_any_log(world: tuple[Sandbox, FakeGitHub, Path]) -> None:
     sb, fake, _ = world
     assert agent(sb, "gh pr list --repo acme/app")[0] == 0
-    code, out, err = agent(
+    _code, out, err = agent(
         sb,
         (
             "cat /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' '\\n' > /tmp/seen;"

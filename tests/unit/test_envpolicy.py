@@ -59,9 +59,7 @@ def test_refused_passthrough_is_reported_by_name_and_reason(name: str, reason: s
 
 def test_refused_passthrough_is_reported_even_when_the_host_lacks_it() -> None:
     result = build_env(EnvironmentPolicy(passthrough=["OPENAI_API_KEY"]), {}, {})
-    assert result == EnvResult(
-        {}, [("OPENAI_API_KEY", "environment.passthrough: is refused by pattern '*_API_KEY'")]
-    )
+    assert result == EnvResult({}, [("OPENAI_API_KEY", "environment.passthrough: is refused by pattern '*_API_KEY'")])
 
 
 @pytest.mark.parametrize(

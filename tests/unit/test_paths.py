@@ -108,9 +108,7 @@ def test_not_denied_by_default_rules(rel: str) -> None:
         ("x.txt", ("*",), ("x.txt",), None),
     ],
 )
-def test_glob_semantics(
-    rel: str, deny: tuple[str, ...], allow: tuple[str, ...], expected: str | None
-) -> None:
+def test_glob_semantics(rel: str, deny: tuple[str, ...], allow: tuple[str, ...], expected: str | None) -> None:
     assert denied_by(rel, deny, allow) == expected
 
 

@@ -10,9 +10,7 @@ from sandman.seccomp import CLONE_NEWUSER, Relaxation, build_profile, render
 
 def test_shipped_profile_matches_the_generator() -> None:
     shipped = resources.seccomp_profile_path().read_text()
-    assert shipped == render(build_profile()), (
-        "run: python -m sandman.seccomp > policies/seccomp/sandman.json"
-    )
+    assert shipped == render(build_profile()), "run: python -m sandman.seccomp > policies/seccomp/sandman.json"
 
 
 def _rules(profile: dict, name: str) -> list[dict]:  # type: ignore[type-arg]
@@ -26,9 +24,7 @@ def test_default_is_deny_with_eperm() -> None:
 
 def test_dangerous_syscalls_are_not_allowed() -> None:
     p = build_profile()
-    allowed = {
-        n for r in p["syscalls"] if r["action"] == "SCMP_ACT_ALLOW" and not r["args"] for n in r["names"]
-    }
+    allowed = {n for r in p["syscalls"] if r["action"] == "SCMP_ACT_ALLOW" and not r["args"] for n in r["names"]}
     for name in (
         "keyctl",
         "add_key",
