@@ -83,7 +83,8 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
         argv += ["--ro-bind-try", path, path]
     if spec.env_file:
         argv += ["--ro-bind", spec.env_file, ENV_FILE]
-    argv += ["--chdir", spec.cwd]
+    # bwrap's own root is a tmpfs without caps: after the binds, make it read-only.
+    argv += ["--remount-ro", "/", "--chdir", spec.cwd]
     env = dict(spec.env)
     if spec.env_file:
         env["SANDMAN_ENV_FILE"] = ENV_FILE

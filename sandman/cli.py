@@ -23,8 +23,22 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _say(message: str) -> None:
-    sys.stderr.write(f"sandman: {message}\n")
+    sys.stderr.write(f"sandman: {_scrubbed(message)}\n")
     sys.stderr.flush()
+
+
+def _scrubbed(message: str) -> str:
+    """Error messages leave through the scrubber too (only loaded when a message names something
+    that could be a secret: most do not, and the fast path stays fast)."""
+    if len(message) < 16:
+        return message
+    try:
+        from sandman.enforce import text_scrubber
+        from sandman.settings import Settings
+
+        return text_scrubber(Settings.load())(message)
+    except Exception:
+        return message
 
 
 def _progress(message: str) -> None:
@@ -115,6 +129,10 @@ def run(
     elif result and result.get("cause") in ("timeout", "oom") and not json_out:
         _say(f"command ended by {result['cause']} after {result['duration_s']:.1f}s (exit {code})")
     if json_out and result is not None:
+        from sandman import client
+
+        if client.last_stdout != b"\n":  # the command's output did not end its line
+            sys.stdout.write("\n")
         _emit(result, compact=True)
     sys.exit(code)
 
@@ -149,17 +167,32 @@ def _run_in_process(args: dict[str, Any]) -> tuple[int, dict[str, Any] | None, s
 
 
 @app.command()
+@click.option(
+    "--verify", is_flag=True, help="Also run the escape battery in a real sandbox on this host, with its controls."
+)
+@click.option("--policy", help="Policy to verify with (name or file); default: the operator's.")
 @json_option
-def doctor(json_out: bool) -> None:
-    """Check that this host can run sandman, with the fix for each failure."""
+def doctor(verify: bool, policy: str | None, json_out: bool) -> None:
+    """Check that this host can run sandman, with the fix for each failure.
+
+    With --verify, run the non-destructive escape battery inside a real sandbox (your engine, your
+    kernel, your policy) and print probe, expected, observed and pass/fail for each, plus the
+    engine and runc versions with a warning for a runc older than the fixes of known escapes."""
     from sandman.doctor import as_json, run_checks
     from sandman.settings import Settings
 
     try:
-        checks = run_checks(Settings.load())
+        settings = Settings.load()
+        checks = run_checks(settings)
     except SandmanError as exc:
         _fail(exc)
-    report = as_json(checks)
+    report: dict[str, Any] = as_json(checks)
+    if verify and report["ok"]:
+        try:
+            report["verify"] = _verify(settings, policy)
+        except SandmanError as exc:
+            _fail(exc)
+        report["ok"] = report["ok"] and report["verify"]["ok"]
     if json_out:
         _emit(report)
     else:
@@ -168,7 +201,60 @@ def doctor(json_out: bool) -> None:
             click.echo(f"[{mark}] {c.name}: {c.detail}")
             if not c.ok and c.fix:
                 click.echo(f"       fix: {c.fix}")
+        if "verify" in report:
+            _print_verify(report["verify"])
     sys.exit(0 if report["ok"] else 1)
+
+
+def _verify(settings: Any, policy: str | None) -> dict[str, Any]:
+    import shutil
+    import tempfile
+
+    from sandman.session import Sandbox
+    from sandman.verify import host_listener, host_secrets_from_env, run_battery, runc_warnings, runtime_versions
+
+    import secrets as _secrets
+
+    scratch = Path(tempfile.mkdtemp(prefix="sandman-verify-"))
+    # A canary secret in this process's environment: the battery shows it never reaches the sandbox.
+    canary = {"SANDMAN_VERIFY_CANARY": "sandman-canary-" + _secrets.token_hex(16)}
+    os.environ.update(canary)
+    try:
+        if os.geteuid() == 0:
+            os.chown(scratch, 1000, 1000)
+        with Sandbox(scratch, policy=policy, settings=settings) as sb, host_listener() as port:
+            rows = run_battery(sb, port, host_secrets={**host_secrets_from_env(), **canary})
+            versions = runtime_versions(sb.api)
+    finally:
+        os.environ.pop("SANDMAN_VERIFY_CANARY", None)
+        shutil.rmtree(scratch, ignore_errors=True)
+    warnings = runc_warnings(versions.get("runc_effective"))
+    return {
+        "ok": all(r.ok for r in rows),
+        "probes": [r.__dict__ if not hasattr(r, "model_dump") else r.model_dump() for r in rows],
+        "versions": versions,
+        "warnings": warnings,
+    }
+
+
+def _print_verify(result: dict[str, Any]) -> None:
+    probes = result["probes"]
+    width = max(len(p["name"]) for p in probes)
+    click.echo("")
+    click.echo(f"{'PROBE':<{width}}  RESULT  EXPECTED / OBSERVED")
+    for p in probes:
+        ok = p["passed"] and p["control_passed"]
+        verdict = "pass" if ok else ("FAIL" if p["control_passed"] else "n/a")
+        click.echo(f"{p['name']:<{width}}  {verdict:<6}  expected: {p['expected']}")
+        click.echo(f"{'':<{width}}          observed: {p['observed'][:300]}")
+        click.echo(f"{'':<{width}}          control:  {p['control_observed'][:200]}")
+    versions = result["versions"]
+    click.echo("")
+    click.echo("versions: " + ", ".join(f"{k}={v}" for k, v in versions.items() if v))
+    for warning in result["warnings"]:
+        click.echo(f"[warn] {warning}")
+    passed = sum(1 for p in probes if p["passed"] and p["control_passed"])
+    click.echo(f"{passed}/{len(probes)} probes passed with their controls")
 
 
 @app.group()
@@ -467,6 +553,7 @@ def session_stop(session_id: str | None, all_: bool, json_out: bool) -> None:
 @click.option("--cpus", type=click.FloatRange(min=0.01))
 @click.option("--memory", help="New memory cap (memory+swap), e.g. 1g.")
 @click.option("--pids", type=click.IntRange(min=16))
+@click.option("--policy", help="Switch to this policy (name or file) without a restart where possible.")
 @json_option
 def session_update(
     session_id: str,
@@ -778,6 +865,42 @@ def policy_explain(workspace: Path, policy: str | None, command: tuple[str, ...]
     else:
         click.echo(("allowed: " if verdict["allowed"] else "refused: ") + str(verdict["reason"]))
     sys.exit(0 if verdict["allowed"] else 126)
+
+
+@app.command()
+@click.argument("file", type=click.Path(allow_dash=True, dir_okay=False, path_type=str))
+@click.option("--redact", is_flag=True, help="Write the input with every finding redacted to stdout.")
+@json_option
+def scan(file: str, redact: bool, json_out: bool) -> None:
+    """Look for leaked credentials in FILE (or - for stdin): known secrets from the settings, common
+    credential patterns, and their base64, URL and hex encodings. Exit 1 when anything is found.
+    Findings name the kind and a short fingerprint, never the value."""
+    from sandman.enforce import make_scrubber
+    from sandman.settings import Settings
+
+    try:
+        settings = Settings.load()
+        data = sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
+    except OSError as exc:
+        _fail(UsageError(f"cannot read {file}: {exc.strerror}"))
+    except SandmanError as exc:
+        _fail(exc)
+    scrubber = make_scrubber({n: v.get_secret_value() for n, v in settings.secrets.items()})
+    stream = scrubber.stream()
+    out = bytearray()
+    for i in range(0, len(data), 1 << 16):
+        out += stream.feed(data[i : i + (1 << 16)])
+    out += stream.flush()
+    findings = stream.findings
+    if redact:
+        sys.stdout.buffer.write(bytes(out))
+    elif json_out:
+        _emit({"findings": [f.model_dump() for f in findings]})
+    else:
+        for f in findings:
+            click.echo(f"{file}: bytes {f.start}-{f.end}: {f.kind} ({f.encoding}), fingerprint {f.fingerprint}")
+        click.echo(f"{len(findings)} finding(s)", err=True)
+    sys.exit(1 if findings else 0)
 
 
 @app.group()

@@ -93,6 +93,14 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
+# The last byte written to stdout, so `--json` can start its line on a line of its own.
+last_stdout: bytes = b"\n"
+
+
+class _Interrupted(Exception):
+    """Raised from the signal handler so a write blocked on a full stdout cannot hold us."""
+
+
 def run(args: dict[str, Any], progress: bool = True) -> tuple[int, dict[str, Any] | None, str | None]:
     """Run through the controller. Returns (exit code, result object, error message)."""
     try:
@@ -101,11 +109,16 @@ def run(args: dict[str, Any], progress: bool = True) -> tuple[int, dict[str, Any
         return 71, None, str(exc)
     cancelled: list[int] = []
 
+    def cancel(signum: int) -> None:
+        if not cancelled:
+            cancelled.append(signum)
+            with contextlib.suppress(OSError):
+                sock.sendall(f"cancel {signum}\n".encode())
+            sock.settimeout(CANCEL_GRACE_S)
+
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        cancelled.append(signum)
-        with contextlib.suppress(OSError):
-            sock.sendall(f"cancel {signum}\n".encode())
-        sock.settimeout(CANCEL_GRACE_S)
+        cancel(signum)
+        raise _Interrupted
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -113,29 +126,37 @@ def run(args: dict[str, Any], progress: bool = True) -> tuple[int, dict[str, Any
         while True:
             try:
                 kind, payload = protocol.recv_frame(sock)
+                if cancelled and kind in (protocol.STDOUT, protocol.STDERR, protocol.PROGRESS):
+                    continue  # cancelled: wait for the controller's word that the sandbox is gone
+                if kind == protocol.STDOUT:
+                    try:
+                        global last_stdout
+                        write_all(1, payload)
+                        last_stdout = payload[-1:] or last_stdout
+                    except BrokenPipeError:
+                        # The reader is gone (`| head`): stop the command as a shell pipeline would.
+                        cancel(signal.SIGPIPE)
+                elif kind == protocol.STDERR:
+                    with contextlib.suppress(BrokenPipeError):
+                        write_all(2, payload)
+                elif kind == protocol.PROGRESS:
+                    if progress:
+                        with contextlib.suppress(OSError):
+                            write_all(2, b"\xe2\x80\xba " + payload + b"\n")
+                elif kind == protocol.RESULT:
+                    result = json.loads(payload)
+                    if cancelled:
+                        return 128 + cancelled[0], result, None
+                    return int(result["exit_code"]), result, None
+                elif kind == protocol.ERROR:
+                    err = json.loads(payload)
+                    return int(err.get("exit_code", 1)), None, str(err.get("message"))
+            except _Interrupted:
+                continue  # a signal arrived (maybe mid-write): keep reading until the sandbox is gone
             except (ConnectionError, TimeoutError, OSError) as exc:
                 if cancelled:
                     return 128 + cancelled[0], None, None
                 return 71, None, f"lost the controller: {exc}"
-            if kind == protocol.STDOUT:
-                try:
-                    write_all(1, payload)
-                except BrokenPipeError:
-                    # The reader is gone (`| head`): stop the command like a shell pipeline would.
-                    on_signal(signal.SIGPIPE, None)
-            elif kind == protocol.STDERR:
-                with contextlib.suppress(BrokenPipeError):
-                    write_all(2, payload)
-            elif kind == protocol.PROGRESS:
-                if progress:
-                    with contextlib.suppress(OSError):
-                        write_all(2, b"\xe2\x80\xba " + payload + b"\n")
-            elif kind == protocol.RESULT:
-                result = json.loads(payload)
-                return int(result["exit_code"]), result, None
-            elif kind == protocol.ERROR:
-                err = json.loads(payload)
-                return int(err.get("exit_code", 1)), None, str(err.get("message"))
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

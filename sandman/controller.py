@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import select
 import socket
 import socketserver
 import sys
@@ -24,7 +25,7 @@ from typing import Any
 
 from loguru import logger
 
-from sandman import protocol
+from sandman import enforce, protocol
 from sandman.errors import SandmanError, UsageError
 from sandman.policy import cli_size
 from sandman.runner import Cancel, Runner
@@ -123,12 +124,25 @@ class Handler(socketserver.StreamRequestHandler):
     def _run(self, args: dict[str, Any]) -> None:
         sock: socket.socket = self.request
         send_lock = threading.Lock()
+        cancel = Cancel()
+        gone = threading.Event()
 
         def send(kind: bytes, data: bytes) -> None:
+            """Backpressure while the client reads; once cancelled (or the client is gone), output
+            is dropped so the engine's stream keeps draining and the sandbox can be removed."""
+            view = memoryview(protocol.HEADER.pack(kind, len(data)) + data)
             with send_lock:
-                protocol.send_frame(sock, kind, data)
+                while view and not gone.is_set():
+                    try:
+                        view = view[sock.send(view, socket.MSG_DONTWAIT) :]
+                    except BlockingIOError:
+                        if cancel.fired and kind != protocol.RESULT:
+                            return
+                        select.select([], [sock], [], 0.2)
+                    except OSError:
+                        gone.set()
+                        cancel.fire()
 
-        cancel = Cancel()
         watcher = threading.Thread(target=self._watch, args=(cancel,), daemon=True)
         watcher.start()
         try:
@@ -161,7 +175,8 @@ class Handler(socketserver.StreamRequestHandler):
             )
             send(protocol.RESULT, json.dumps(result.as_json()).encode())
         except SandmanError as exc:
-            send(protocol.ERROR, json.dumps({"message": str(exc), "exit_code": exc.exit_code}).encode())
+            message = enforce.text_scrubber(Settings.load())(str(exc))
+            send(protocol.ERROR, json.dumps({"message": message, "exit_code": exc.exit_code}).encode())
         except (BrokenPipeError, ConnectionError):
             cancel.fire()
         except Exception as exc:  # the client must get an answer, never a hang

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import os
 import secrets as _secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandman import bwrap
 from sandman.commands import check_command
-from sandman.envpolicy import build_env
+from sandman.envpolicy import build_env, refusal
 from sandman.errors import ConfigError, UsageError
 from sandman.paths import DenyScan, PathDenied, denied_by, find_denied, validate_path
 from sandman.policy import Policy
+from sandman.scrub import EXAMPLE_KEYS, Scrubber
 from sandman.settings import Settings
 from sandman.workspace import Workspace
 
@@ -44,10 +45,28 @@ class SandboxEnv:
     public: dict[str, str]  # set with --setenv (visible in bwrap's argv inside the container)
     private: dict[str, str] = field(default_factory=dict)  # passthrough and secrets: via a file
     refused: tuple[tuple[str, str], ...] = ()  # (name, reason), never values
+    known_secrets: dict[str, str] = field(default_factory=dict)  # name -> value, for output scrubbing
 
-    def secret_values(self) -> dict[str, str]:
-        """Name -> value of everything private, for output scrubbing."""
-        return dict(self.private)
+
+def known_secrets(settings: Settings, policy: Policy, host_env: Mapping[str, str]) -> dict[str, str]:
+    """Every secret the controller knows: the settings' secrets (injected ones and helper
+    credentials) and the values of host variables the policy refuses (cloud keys, tokens, ...)."""
+    known = {name: value.get_secret_value() for name, value in settings.secrets.items()}
+    for name, value in host_env.items():
+        if refusal(name, policy.environment) is not None and name not in known:
+            known[name] = value
+    return known
+
+
+def make_scrubber(secrets: Mapping[str, str]) -> Scrubber:
+    """Known values (and their encodings) plus the credential patterns; public example keys pass."""
+    return Scrubber(secrets, patterns=True, allowlist=EXAMPLE_KEYS)
+
+
+def text_scrubber(settings: Settings) -> Callable[[str], str]:
+    """str -> str for the audit writer and error messages: settings secrets and patterns."""
+    scrubber = make_scrubber({n: v.get_secret_value() for n, v in settings.secrets.items()})
+    return lambda text: scrubber.scrub_text(text)[0]
 
 
 def _to_container(ws: Workspace, real: Path) -> str:
@@ -170,7 +189,9 @@ def sandbox_env(
         private[name] = secret.get_secret_value()
     for name in private:
         public.pop(name, None)
-    return SandboxEnv(public, private, tuple(built.refused))
+    known = known_secrets(settings, policy, host_env)
+    known.update(private)
+    return SandboxEnv(public, private, tuple(built.refused), known)
 
 
 def _sh_quote(value: str) -> str:

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+from sandman import enforce
 from sandman.errors import SandmanError, UsageError
 from sandman.image import load_campaign
 from sandman.policy import Policy
@@ -53,7 +54,7 @@ class Pool:
         )
         camp = load_campaign(self.workspace.path, campaign)
         self.key = pool_key(self.workspace.path, camp.name, self.policy)
-        self.state = StateStore(self.settings.state_dir)
+        self.state = StateStore(self.settings.state_dir, scrub=enforce.text_scrubber(self.settings))
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._errors: list[str] = []

@@ -15,7 +15,6 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,6 @@ class RelayContext:
     policy: Policy
     settings: Settings
     socket_path: Path
-    scrub: Callable[[str], str] = field(default=lambda text: text)
     created_prs: set[int | tuple[str, int]] = field(default_factory=set)
 
 
@@ -82,12 +80,19 @@ class Relay:
         self.bucket = _Bucket(RATE_PER_S, RATE_BURST)
         self.server: asyncio.AbstractServer | None = None
         self.helpers = available_helpers(ctx.policy, ctx.settings)
-        self.state = StateStore(ctx.settings.state_dir, scrub=ctx.scrub)
+        from sandman.enforce import make_scrubber
+
+        # Upcall arguments are the one channel out of the sandbox: a credential in them blocks the call.
+        self.leak_check = make_scrubber({n: v.get_secret_value() for n, v in ctx.settings.secrets.items()})
+        self.state = StateStore(ctx.settings.state_dir, scrub=self.scrub)
         self.calls = 0
         # PRs this session created survive a relay restart: they are in the audit log.
         for event in self.state.events(session=ctx.session_id):
             if event.event == "gh.pr_created":
                 ctx.created_prs.add((str(event.detail["repo"]), int(event.detail["number"])))
+
+    def scrub(self, text: str) -> str:
+        return self.leak_check.scrub_text(text)[0]
 
     async def start(self) -> None:
         path = self.ctx.socket_path
@@ -193,6 +198,11 @@ class Relay:
         if any("\x00" in a for a in args):
             raise RpcError(INVALID_PARAMS, "args contain a NUL byte")
         started = time.monotonic()
+        findings = self.leak_check.scan_text("\n".join([*args, stdin or ""]))
+        if findings:
+            what = ", ".join(sorted({f"{f.kind} ({f.fingerprint})" for f in findings}))
+            self._audit(name, args, "refused", None, started, f"credential in the arguments: {what}")
+            raise RpcError(REFUSED, f"upcall refused: its arguments hold what looks like a credential: {what}")
         helper = self.helpers.get(name)
         if helper is None:
             self._audit(name, args, "refused", None, started, "helper not allowed by this session's policy")
@@ -216,8 +226,8 @@ class Relay:
         self._audit(name, args, "ok" if result.exit_code == 0 else "failed", result.exit_code, started, "")
         return {
             "exit_code": result.exit_code,
-            "stdout": self.ctx.scrub(result.stdout),
-            "stderr": self.ctx.scrub(result.stderr),
+            "stdout": self.scrub(result.stdout),
+            "stderr": self.scrub(result.stderr),
             "truncated": result.truncated,
         }
 

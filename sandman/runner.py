@@ -192,7 +192,7 @@ class Runner:
     @property
     def state(self) -> StateStore:
         if self._state is None:
-            self._state = StateStore(self.settings.state_dir)
+            self._state = StateStore(self.settings.state_dir, scrub=enforce.text_scrubber(self.settings))
         return self._state
 
     @property
@@ -391,20 +391,30 @@ class Runner:
                         raise _Cancelled from None
                     raise SandboxError(f"the engine refused the sandbox container: {exc.explanation or exc}") from None
                 if timeout:
-                    timer = threading.Timer(timeout, self._expire, (container_id, timed_out))
+                    timer = threading.Timer(timeout, _expire, (timed_out, cancel))
                     timer.daemon = True
                     timer.start()
                 watch = CgroupWatch(int(api.inspect_container(container_id)["State"].get("Pid") or 0))
                 cap = OutputCap(policy.resources.max_output, stderr)
+                # Every byte that leaves the sandbox passes the scrubber (secrets split across
+                # chunks included), then the output cap.
+                scrubber = enforce.make_scrubber(layer2.env.known_secrets)
+                scrub_out, scrub_err = scrubber.stream(), scrubber.stream()
                 for out, err in stream:
-                    if out and (out := cap.take(out)):
+                    if cancel.fired or timed_out.is_set():
+                        continue  # keep draining: the engine only finishes a kill once it is read
+                    if out and (out := cap.take(scrub_out.feed(out))):
                         stdout(out)
                     if err:
                         cap.note_stderr(err)
-                        if err := cap.take(err):
+                        if err := cap.take(scrub_err.feed(err)):
                             stderr(err)
+                if tail := cap.take(scrub_out.flush()):
+                    stdout(tail)
+                if tail := cap.take(scrub_err.flush()):
+                    stderr(tail)
                 exit_code = int(api.wait(container_id)["StatusCode"])
-                if cancel.fired:
+                if cancel.fired and not timed_out.is_set():
                     raise _Cancelled
                 counters = watch.read()
                 if timed_out.is_set():
@@ -455,13 +465,6 @@ class Runner:
         with contextlib.suppress(docker.errors.APIError):
             self.api.kill(container_id)
 
-    def _expire(self, container_id: str, flag: threading.Event) -> None:
-        import docker.errors
-
-        flag.set()
-        with contextlib.suppress(docker.errors.APIError):
-            self.api.kill(container_id)
-
     def _remove(self, container_id: str) -> None:
         import docker.errors
 
@@ -471,3 +474,9 @@ class Runner:
 
 class _Cancelled(Exception):
     pass
+
+
+def _expire(timed_out: threading.Event, cancel: Cancel) -> None:
+    """The timeout: mark it, then end the sandbox the way a cancel does (kill, stop forwarding)."""
+    timed_out.set()
+    cancel.fire()

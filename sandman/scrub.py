@@ -223,9 +223,7 @@ PATTERNS: tuple[LeakPattern, ...] = (
     ),
     LeakPattern(
         "telegram",
-        re.compile(
-            rb"(?:(?<![0-9])|" + _ESCAPED + rb")[0-9]{8,10}(?::|%3[Aa])[A-Za-z0-9_-]{35}(?![A-Za-z0-9_-])"
-        ),
+        re.compile(rb"(?:(?<![0-9])|" + _ESCAPED + rb")[0-9]{8,10}(?::|%3[Aa])[A-Za-z0-9_-]{35}(?![A-Za-z0-9_-])"),
         probes=((b"a" * 8 + b":" + b"a" * 35, 2), (b"a" * 8 + b"%" + b"a" * 37, 2)),
     ),
 )
@@ -293,7 +291,8 @@ def _b64_cores(value: bytes) -> list[tuple[int, bytes]]:
 
 class _Index(Protocol):
     def find(self, data: bytes, pos: int) -> list[tuple[int, int, int]]:
-        """Every (needle id, start, end) with start >= pos, overlapping ones included."""
+        """Every (needle id, start, end), overlapping ones included, at least those with
+        start >= pos (callers skip any before)."""
         ...
 
 
@@ -303,8 +302,8 @@ class _AhoCorasickIndex:
         self._ac = ahocorasick_rs.BytesAhoCorasick(needles, implementation=ahocorasick_rs.Implementation.DFA)
 
     def find(self, data: bytes, pos: int) -> list[tuple[int, int, int]]:
-        found = self._ac.find_matches_as_indexes(memoryview(data)[pos:], overlapping=True)
-        return [(i, s + pos, e + pos) for i, s, e in found] if pos else found
+        # The whole buffer: pos is at most _CTX bytes in, and shifting every hit costs more.
+        return self._ac.find_matches_as_indexes(data, overlapping=True)
 
 
 class _RegexIndex:
@@ -471,8 +470,11 @@ class Scrubber:
         if self._index is not None:
             ruled_out = self._ruled_out
             for nid, s, e in self._index.find(buf, begin):
-                c = buf[s - 1] if s else -1
-                if c in ruled_out[nid] and not _escape_before(buf, s):
+                if s < begin:
+                    continue
+                ruled = ruled_out[nid]
+                # Inline for speed (text like "task-" is full of these): glued to a word, no escape.
+                if ruled and s >= 3 and buf[s - 1] in ruled and buf[s - 2] != 0x5C and buf[s - 3] != 0x25:
                     continue
                 for act in self._actions[nid]:
                     if isinstance(act, _SecretForm):
@@ -508,9 +510,7 @@ class Scrubber:
             cut = new
         return _Round(cut, [r for r in regions if r[1] <= cut])
 
-    def _secret_hit(
-        self, form: _SecretForm, buf: bytes, s: int, e: int, final: bool, hits: list[_Hit]
-    ) -> int | None:
+    def _secret_hit(self, form: _SecretForm, buf: bytes, s: int, e: int, final: bool, hits: list[_Hit]) -> int | None:
         start, stop, encoding = s, e, form.encoding
         if encoding == "base64":
             if not final and e + 3 > len(buf):
@@ -526,9 +526,7 @@ class Scrubber:
         hits.append(_Hit(start, stop, start, form.name, encoding, form.value, 0))
         return None
 
-    def _anchor_hit(
-        self, act: _Anchor, buf: bytes, s: int, e: int, final: bool, hits: list[_Hit]
-    ) -> int | None:
+    def _anchor_hit(self, act: _Anchor, buf: bytes, s: int, e: int, final: bool, hits: list[_Hit]) -> int | None:
         pat = self.patterns[act.pattern]
         if act.encoding == "plain":
             return self._plain_anchor(act.pattern, pat, buf, s, final, hits)
@@ -571,9 +569,7 @@ class Scrubber:
                 break
         return None
 
-    def _hex_anchor(
-        self, idx: int, pat: LeakPattern, buf: bytes, s: int, final: bool, hits: list[_Hit]
-    ) -> int | None:
+    def _hex_anchor(self, idx: int, pat: LeakPattern, buf: bytes, s: int, final: bool, hits: list[_Hit]) -> int | None:
         run = self._hex_run[idx].match(buf, s)
         assert run is not None
         if not final and run.end() + 3 > len(buf):  # a line break and more digits may follow
@@ -701,15 +697,11 @@ class Scrubber:
         window = buf[x:stop]
         norm = window.translate(_URLSAFE_TO_STD)
         # (text offset of the first decoded byte, characters per byte x 3, decoded bytes, kind)
-        pieces: list[tuple[int, int, bytes, Encoding]] = [
-            (x + a, 4, _b64_decode(norm[a:]), "base64") for a in range(4)
-        ]
+        pieces: list[tuple[int, int, bytes, Encoding]] = [(x + a, 4, _b64_decode(norm[a:]), "base64") for a in range(4)]
         for run in _HEX_RUN.finditer(window):
             for a in (0, 1):
                 digits = run.group()[a:]
-                pieces.append(
-                    (x + run.start() + a, 6, binascii.unhexlify(digits[: len(digits) // 2 * 2]), "hex")
-                )
+                pieces.append((x + run.start() + a, 6, binascii.unhexlify(digits[: len(digits) // 2 * 2]), "hex"))
         # One probe over all decodings joined: a newline cannot be inside a token, nor pass a lookbehind.
         joined = b"\n".join(p[2] for p in pieces)
         found = self._probe(joined, 0, len(joined))
@@ -817,13 +809,6 @@ def _unwrap(buf: bytes, start: int, stop: int) -> tuple[bytes, Callable[[int], i
         return text, lambda i: start + i
     kept = [start + i for i, c in enumerate(text) if c not in b"\r\n"] + [stop]
     return text.replace(b"\r", b"").replace(b"\n", b""), kept.__getitem__
-
-
-def _escape_before(buf: bytes, s: int) -> bool:
-    """Whether ``buf[:s]`` ends with a JSON (``\\n``) or URL (``%XX``) escape."""
-    if s >= 2 and buf[s - 2] == 0x5C and buf[s - 1] in b"nrt":
-        return True
-    return s >= 3 and buf[s - 3] == 0x25 and buf[s - 2] in _HEX_CHARS and buf[s - 1] in _HEX_CHARS
 
 
 def _lower_escapes(url: str) -> str:

@@ -27,7 +27,6 @@ class Relaxation(StrEnum):
     MOUNT = "mount"  # mount() inside bwrap's own user namespace
     UMOUNT2 = "umount2"
     PIVOT_ROOT = "pivot_root"
-    CHROOT = "chroot"  # bwrap chroots into its new root after pivot_root
 
 
 # Allowed unconditionally: ordinary process, file, memory, signal, time and socket calls.
@@ -127,7 +126,7 @@ def build_profile(without: frozenset[Relaxation] = frozenset()) -> dict[str, Any
         rules.append(_allow(["clone"], newuser))
     if Relaxation.UNSHARE_NEWUSER not in without:
         rules.append(_allow(["unshare"], newuser))
-    for relaxation in (Relaxation.MOUNT, Relaxation.UMOUNT2, Relaxation.PIVOT_ROOT, Relaxation.CHROOT):
+    for relaxation in (Relaxation.MOUNT, Relaxation.UMOUNT2, Relaxation.PIVOT_ROOT):
         if relaxation not in without:
             rules.append(_allow([relaxation.value]))
     return {

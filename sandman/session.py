@@ -27,6 +27,7 @@ from sandman.errors import SandboxError, SandmanError, UsageError
 from sandman.policy import Policy
 from sandman.relay import RelayContext, RelayHost
 from sandman.runner import TINI, ExitCause, Runner, classify_end, make_runtime_dir, new_session_id, process_start
+from sandman.scrub import Scrubber
 from sandman.settings import Settings
 from sandman.state import SessionRecord, SessionState, StateStore
 from sandman.workspace import Workspace, resolve_workspace
@@ -129,7 +130,9 @@ class Sandbox:
     ) -> None:
         self.settings = settings or Settings.load()
         self._runner = _runner or Runner(self.settings, progress or (lambda _m: None))
-        self.state = StateStore(self.settings.state_dir)
+        self._scrub_text = enforce.text_scrubber(self.settings)
+        self.state = StateStore(self.settings.state_dir, scrub=self._scrub_text)
+        self._scrubbers: dict[frozenset[tuple[str, str]], Scrubber] = {}
         self._masks: enforce.Masks | None = None
         self._watch: CgroupWatch | None = None
         if _record is not None:  # attach: the policy the session was created with
@@ -418,11 +421,15 @@ class Sandbox:
             "env": {},
             "timeout": timeout,
             "stdin": stdin is not None,
+            "tty": tty is not None,
+            "winsize": list(tty) if tty else None,
         }
         started = time.monotonic()
         out, err = bytearray(), bytearray()
         notices: list[bytes] = []
         cap = OutputCap(self.policy.resources.max_output, notices.append)
+        scrubber = self._scrubber(plan.env.known_secrets)
+        scrub_out, scrub_err = scrubber.stream(), scrubber.stream()
         watch = self._cgroup_watch()
         before = watch.read()
         sock = self._connect()
@@ -436,13 +443,20 @@ class Sandbox:
                     payload = _recv_exact(sock, length)
                 except ConnectionError:
                     raise SessionGone(f"session {self.id} stopped during the exec") from None
-                if kind == b"o":
-                    if payload := cap.take(payload):
+                if kind == b"r":  # the scrubbers hold back what could start a secret: flush them
+                    if tail := cap.take(scrub_out.flush()):
+                        out += tail
+                        yield Output("stdout", tail)
+                    if tail := cap.take(scrub_err.flush()):
+                        err += tail
+                        yield Output("stderr", tail)
+                elif kind == b"o":
+                    if payload := cap.take(scrub_out.feed(payload)):
                         out += payload
                         yield Output("stdout", payload)
                 elif kind == b"e":
                     cap.note_stderr(payload)
-                    if payload := cap.take(payload):
+                    if payload := cap.take(scrub_err.feed(payload)):
                         err += payload
                         yield Output("stderr", payload)
                 while notices:  # the truncation notice, once, on stderr
@@ -492,6 +506,13 @@ class Sandbox:
             if on_output is not None:
                 on_output(item)
         raise SandboxError("the exec ended without a result")  # pragma: no cover
+
+    def _scrubber(self, secrets: Mapping[str, str]) -> Scrubber:
+        """One scrubber per set of known secrets (building one costs a few ms; an exec ~10 ms)."""
+        key = frozenset(secrets.items())
+        if key not in self._scrubbers:
+            self._scrubbers = {key: enforce.make_scrubber(secrets)}
+        return self._scrubbers[key]
 
     def _cgroup_watch(self) -> CgroupWatch:
         """The session container's cgroup counters (located once per handle)."""

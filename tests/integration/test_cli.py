@@ -56,9 +56,7 @@ def test_home_itself_is_refused(engine: object, cli_env: dict[str, str]) -> None
     assert res.returncode == 3 and "home directory itself" in one_line_error(res.stderr)
 
 
-def test_invalid_image_toml_names_file_key_and_reason(
-    engine: object, workspace: Path, cli_env: dict[str, str]
-) -> None:
+def test_invalid_image_toml_names_file_key_and_reason(engine: object, workspace: Path, cli_env: dict[str, str]) -> None:
     (workspace / ".sandman").mkdir()
     (workspace / ".sandman" / "image.toml").write_text('apt_packages = ["ok", "bad;name"]\n')
     res = sandman("run", "--workspace", str(workspace), "--", "true", env=cli_env)
@@ -80,9 +78,7 @@ def test_no_command(engine: object, workspace: Path, cli_env: dict[str, str]) ->
     assert res.returncode == 2 and "Missing argument" in res.stderr
 
 
-def test_doctor_passes_here_with_the_bwrap_probe(
-    engine: object, agent_image: str, cli_env: dict[str, str]
-) -> None:
+def test_doctor_passes_here_with_the_bwrap_probe(engine: object, agent_image: str, cli_env: dict[str, str]) -> None:
     res = sandman("doctor", "--json", env=cli_env)
     report = json.loads(res.stdout)
     checks = {c["name"]: c for c in report["checks"]}

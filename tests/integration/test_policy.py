@@ -33,9 +33,7 @@ def secrets_ws(tmp_path: Path) -> Path:
     return make_workspace(ws)
 
 
-def run(
-    ws: Path, env: dict[str, str], *cmd: str, extra: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess[str]:
+def run(ws: Path, env: dict[str, str], *cmd: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     return sandman("run", "--workspace", str(ws), *extra, "--", *cmd, env=env)
 
 
@@ -113,11 +111,7 @@ def test_environment_is_exactly_policy_passthrough_and_controller_values(
     names = {line.split("=", 1)[0] for line in res.stdout.splitlines()}
     assert res.returncode == 0, res.stderr
     assert "MY_TOOL_MODE=fast" in res.stdout and "CI=true" in res.stdout
-    assert (
-        "UNLISTED" not in names
-        and "AWS_SECRET_ACCESS_KEY" not in names
-        and "aws-host-value" not in res.stdout
-    )
+    assert "UNLISTED" not in names and "AWS_SECRET_ACCESS_KEY" not in names and "aws-host-value" not in res.stdout
     assert names <= {
         "CI",
         "MY_TOOL_MODE",
@@ -188,13 +182,9 @@ def test_campaign_policy_may_tighten_but_not_loosen(
 ) -> None:
     ws = tmp_path / "camp"
     (ws / ".sandman").mkdir(parents=True)
-    (ws / ".sandman" / "policy.toml").write_text(
-        '[resources]\npids = 64\n[commands]\nallow = ["sh", "true"]\n'
-    )
+    (ws / ".sandman" / "policy.toml").write_text('[resources]\npids = 64\n[commands]\nallow = ["sh", "true"]\n')
     make_workspace(ws)
-    ok = run(
-        ws, cli_env, "sh", "-c", "cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max"
-    )
+    ok = run(ws, cli_env, "sh", "-c", "cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max")
     assert ok.returncode == 0 and ok.stdout.strip() == "64", ok.stderr
     refused = run(ws, cli_env, "ls")
     assert refused.returncode == 126 and "'ls' is not in the allowlist" in refused.stderr
@@ -205,13 +195,9 @@ def test_campaign_policy_may_tighten_but_not_loosen(
 
 
 def test_policy_cli_explain_show_and_check(secrets_ws: Path, cli_env: dict[str, str], tmp_path: Path) -> None:
-    res = sandman(
-        "policy", "explain", "--workspace", str(secrets_ws), "--", "git", "push", "--force", env=cli_env
-    )
+    res = sandman("policy", "explain", "--workspace", str(secrets_ws), "--", "git", "push", "--force", env=cli_env)
     assert (
-        res.returncode == 126
-        and "refused" in res.stdout
-        and "commands.rules.git.blocked: 'push --force'" in res.stdout
+        res.returncode == 126 and "refused" in res.stdout and "commands.rules.git.blocked: 'push --force'" in res.stdout
     )
     ok = sandman("policy", "explain", "--workspace", str(secrets_ws), "--", "git", "push", env=cli_env)
     assert ok.returncode == 0 and ok.stdout.startswith("allowed")
@@ -220,7 +206,5 @@ def test_policy_cli_explain_show_and_check(secrets_ws: Path, cli_env: dict[str, 
     check = sandman("policy", "check", str(bad), env=cli_env)
     lines = [line for line in check.stderr.splitlines() if line.strip()]
     assert check.returncode == 4 and len(lines) == 1 and str(bad) in lines[0] and "resources.cpus" in lines[0]
-    shown = json.loads(
-        sandman("policy", "show", "--workspace", str(secrets_ws), "--json", env=cli_env).stdout
-    )
+    shown = json.loads(sandman("policy", "show", "--workspace", str(secrets_ws), "--json", env=cli_env).stdout)
     assert shown["sources"]["resources.memory"].startswith("sandman default")

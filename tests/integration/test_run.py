@@ -16,18 +16,14 @@ from tests.conftest import SANDMAN, sandman, sandman_containers
 pytestmark = pytest.mark.docker
 
 
-def run_in(
-    ws: Path, env: dict[str, str], *cmd: str, extra: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess[str]:
+def run_in(ws: Path, env: dict[str, str], *cmd: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     return sandman("run", "--workspace", str(ws), *extra, "--", *cmd, env=env)
 
 
 def test_must_show_identity_capabilities_seccomp_network_and_workspace_write(
     engine: object, agent_image: str, workspace: Path, cli_env: dict[str, str]
 ) -> None:
-    script = (
-        'id -u; grep -E "^Cap(Eff|Bnd)|NoNewPrivs|Seccomp:" /proc/self/status; ls /sys/class/net; echo ok > f'
-    )
+    script = 'id -u; grep -E "^Cap(Eff|Bnd)|NoNewPrivs|Seccomp:" /proc/self/status; ls /sys/class/net; echo ok > f'
     res = run_in(workspace, cli_env, "sh", "-c", script)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.split()

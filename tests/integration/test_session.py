@@ -41,9 +41,7 @@ def containers_of(engine: object, session_id: str) -> list[dict[str, object]]:
 
 
 def test_exec_runs_in_both_layers_with_streams_and_exit_codes(sb: Sandbox, workspace: Path) -> None:
-    res = sb.exec(
-        ["sh", "-c", "echo out; echo err >&2; grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status; exit 5"]
-    )
+    res = sb.exec(["sh", "-c", "echo out; echo err >&2; grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status; exit 5"])
     assert res.exit_code == 5 and res.cause is ExitCause.EXIT
     assert res.stdout.decode().split() == ["out", "NoNewPrivs:", "1", "Seccomp:", "2"]
     assert res.stderr == b"err\n"
@@ -90,9 +88,7 @@ def test_parallel_execs_in_one_session(sb: Sandbox) -> None:
     assert time.monotonic() - t0 < 6  # concurrent, not 8 s in a row
 
 
-def test_many_sessions_in_parallel(
-    engine: object, agent_image: str, workspace: Path, settings: Settings
-) -> None:
+def test_many_sessions_in_parallel(engine: object, agent_image: str, workspace: Path, settings: Settings) -> None:
     def one(i: int) -> bytes:
         with Sandbox(workspace, settings=settings) as box:
             return box.exec(["sh", "-c", f"echo {i}"]).stdout
@@ -149,9 +145,7 @@ def test_attach_from_a_second_process_and_stop_is_fast(
         Sandbox.attach(box.id, settings=settings)
 
 
-def test_idle_timeout_ends_the_session(
-    engine: object, agent_image: str, workspace: Path, settings: Settings
-) -> None:
+def test_idle_timeout_ends_the_session(engine: object, agent_image: str, workspace: Path, settings: Settings) -> None:
     from sandman.policy import load_policy
     from sandman.reaper import reconcile
 
@@ -229,8 +223,7 @@ def test_policy_changes_apply_live_or_say_they_need_a_new_session(
         assert box.exec(["sh", "-c", "echo ${MODE:-unset}"]).stdout == b"unset\n"
         newer = tmp_path / "newer.toml"
         newer.write_text(
-            '[environment]\nallow = { MODE = "strict" }\n[commands]\nallow = ["sh"]\n'
-            "[resources]\npids = 100\n"
+            '[environment]\nallow = { MODE = "strict" }\n[commands]\nallow = ["sh"]\n[resources]\npids = 100\n'
         )
         applied = box.update_policy(newer)
         assert "environment.allow.MODE" in applied["next_exec"] and applied["live"] == ["resources.pids"]

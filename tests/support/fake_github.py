@@ -104,9 +104,7 @@ class _Text:
 class GraphQLError(Exception):
     """Answered as ``{"data": ..., "errors": [...]}`` with HTTP 200, the way GitHub does."""
 
-    def __init__(
-        self, message: str, type_: str = "NOT_FOUND", path: list[str] | None = None, data: Any = None
-    ) -> None:
+    def __init__(self, message: str, type_: str = "NOT_FOUND", path: list[str] | None = None, data: Any = None) -> None:
         super().__init__(message)
         self.type = type_
         self.path = path or []
@@ -161,25 +159,19 @@ def _make_certs(directory: Path) -> _Certs:
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=1))
         .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
             critical=False,
         )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     certs = _Certs(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem")
     certs.ca_pem.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     certs.cert_pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     certs.key_pem.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     certs.key_pem.chmod(0o600)
     return certs
@@ -762,9 +754,7 @@ def _make_handler(gh: FakeGitHub) -> type[BaseHTTPRequestHandler]:
         def _dispatch(self, path: str, body: Any, rec: RecordedRequest) -> tuple[int, Any]:
             if path == "/api/graphql" and self.command == "POST":
                 if rec.operation is None:
-                    return 200, {
-                        "errors": [{"message": "fake_github: a GraphQL document without a named operation"}]
-                    }
+                    return 200, {"errors": [{"message": "fake_github: a GraphQL document without a named operation"}]}
                 try:
                     return 200, {"data": gh.graphql(rec.operation, rec.variables)}
                 except GraphQLError as err:

@@ -227,3 +227,13 @@ def test_relay_threads_do_not_leak(relay: RelayContext) -> None:
     for _ in range(50):
         call(relay, "upcall.list")
     assert threading.active_count() <= before + 1
+
+
+def test_a_credential_in_upcall_arguments_blocks_the_call(relay: RelayContext) -> None:
+    key = "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
+    res = call(relay, "upcall.exec", {"helper": "noop", "args": ["--body", f"here is {key}"]})
+    assert res["error"]["code"] == -32000 and "credential" in res["error"]["message"]
+    assert key not in json.dumps(res)
+    events = StateStore(relay.settings.state_dir).events(session="sm-test")
+    assert key not in json.dumps([e.as_json() for e in events])  # the audit writer scrubs, too
+    assert call(relay, "upcall.exec", {"helper": "noop", "args": ["harmless"]})["result"]["exit_code"] == 0

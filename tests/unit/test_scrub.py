@@ -1,0 +1,480 @@
+"""Secret scrubbing: every pattern and known secret, plain and encoded, whole or streamed in
+any chunking, next to multi-byte characters; near-misses stay; the actions and the allowlist."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+from functools import cache
+from urllib.parse import quote, quote_plus
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sandman.errors import SandmanError
+from sandman.scrub import (
+    EXAMPLE_KEYS,
+    MIN_SECRET_LEN,
+    PATTERNS,
+    Finding,
+    LeakAction,
+    Scrubber,
+    SecretLeakBlocked,
+    _b64_cores,
+    scan_text,
+    scrub_bytes,
+)
+
+try:
+    import ahocorasick_rs  # noqa: F401
+
+    ENGINES = ["aho-corasick", "regex"]
+except ImportError:
+    ENGINES = ["regex"]
+
+
+@cache
+def scrubber(
+    secrets: tuple[tuple[str, str], ...] = (),
+    patterns: bool = True,
+    action: LeakAction = LeakAction.REDACT,
+    allow: tuple[str, ...] = (),
+    engine: str = "auto",
+) -> Scrubber:
+    return Scrubber(dict(secrets), patterns, allow, action, engine=engine)  # type: ignore[arg-type]
+
+
+def streamed(sc: Scrubber, data: bytes, cuts: list[int]) -> tuple[bytes, list[Finding], list[bytes]]:
+    """Feed ``data`` cut at ``cuts``; returns the output, the findings and each piece returned."""
+    s = sc.stream()
+    pieces = []
+    prev = 0
+    for cut in [*cuts, len(data)]:
+        pieces.append(s.feed(data[prev:cut]))
+        prev = cut
+    pieces.append(s.flush())
+    return b"".join(pieces), s.findings, pieces
+
+
+# -- every pattern, plain and in every encoding --------------------------------------------------
+
+PEM_RSA = (
+    "-----BEGIN RSA PRIVATE KEY-----\nMIIEpAIBAAKCAQEA3Tz2mr7SZiAMfQyuvBjM9Oi+/uX0Lz0yCw==\n"
+    "q8Lm2Np4Rt6Vw8Xy0Za2Bc4De6Fg8Hi0Jk2Lm4No6Pq8Rs0Tu2Vw4Xy6Za8=\n-----END RSA PRIVATE KEY-----"
+)
+PEM_OPENSSH = (
+    "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
+    "QyNTUxOQAAACDk3m0kZ9yT1QxW7bqf5y8cR2aV0Y5uUjv3X4L0yq9lJwAAAJg=\n-----END OPENSSH PRIVATE KEY-----"
+)
+PEM_ENCRYPTED = (
+    "-----BEGIN EC PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-128-CBC,0123456789ABCDEF\n\n"
+    "MHcCAQEEIBkg4LVWM9nuwNSk3yByxZpYRTBnVJk5oVVYqL9l5Yr7oAoGCCqGSM49\n-----END EC PRIVATE KEY-----"
+)
+AWS_SECRET = "Zm9vYmFyYmF6cXV4MTIzNDU2Nzg5MGFiY2RlZmdo"
+
+# (kind, text as it would appear, the part that must disappear)
+PATTERN_CASES: list[tuple[str, str, str]] = [
+    ("openai", "sk-" + "Ab3dE5gH7jK9" * 4, ""),
+    ("openai", "sk-proj-" + "Ab3dE5gH7j_K9-Lm" * 5, ""),
+    ("openai", "sk-svcacct-" + "Qw3eRt5yUi7oP9aS" * 3, ""),
+    ("anthropic", "sk-ant-api03-" + "Xy7_Qz-9Rt" * 9 + "AA", ""),
+    ("openrouter", "sk-or-v1-" + "0123456789abcdef" * 4, ""),
+    ("github", "ghp_" + "A1b2C3d4E5" * 3 + "F6g7H8", ""),
+    ("github", "gho_" + "Z9y8X7w6V5" * 3 + "u4T3s2", ""),
+    ("github", "ghu_" + "k1L2m3N4o5" * 3 + "P6q7R8", ""),
+    ("github", "ghs_" + "Q1w2E3r4T5" * 3 + "y6U7i8", ""),
+    ("github", "ghr_" + "M1n2B3v4C5" * 3 + "x6Z7a8", ""),
+    ("github", "github_pat_11ABCDEFG0123456789_" + "abcdefghij" * 5 + "ABCDEFGHI", ""),
+    ("gitlab", "glpat-xY9_zW8-vU7tS6rQ5pO4", ""),
+    ("google_api", "AIzaSyA1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q", ""),
+    ("aws_access_key", "AKIAZ7QW2ERTYUIOP3LK", ""),
+    ("aws_access_key", "ASIAY6PL5OKMNJIUHB4V", ""),
+    ("aws_secret_key", f"aws_secret_access_key = {AWS_SECRET}", AWS_SECRET),
+    ("aws_secret_key", f'AWS_SECRET_ACCESS_KEY="{AWS_SECRET}"', AWS_SECRET),
+    ("aws_secret_key", f'"SecretAccessKey": "{AWS_SECRET}"', AWS_SECRET),
+    ("slack", "xoxb-1234567890-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx", ""),
+    ("slack", "xoxa-2-1234567890-AbCdEfGhIjKl", ""),
+    ("slack", "xoxp-1234567890-1234567890-AbCdEfGhIjKl", ""),
+    ("slack", "xoxr-1234567890-AbCdEfGhIjKlMnOp", ""),
+    ("slack", "xapp-1-A0123456789-1234567890123-" + "abcdef0123456789" * 4, ""),
+    ("discord", "MTk4NjIyNDgzNDcxOTI1MjQ4.Cl2FMQ.ZnCjm1XVW7vRze4b7Cq4se7kKWs", ""),
+    ("telegram", "123456789:AAH" + "dQw4w9WgXcQ_abcdefghij-KLMNOPqrs", ""),
+    ("stripe", "sk_live_4eC39HqLyjWDarjtT1zdp7dc", ""),
+    ("stripe", "rk_live_51H8abcdEFGHijklMNOPqrst", ""),
+    ("stripe", "sk_test_4eC39HqLyjWDarjtT1zdp7dc", ""),
+    ("private_key", PEM_RSA, ""),
+    ("private_key", PEM_OPENSSH, ""),
+    ("private_key", PEM_ENCRYPTED, ""),
+    (
+        "private_key",
+        "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n-----END PRIVATE KEY-----",
+        "",
+    ),
+]
+ENCODINGS = ["plain", "base64", "base64url", "url", "hex"]
+PREFIXES = [b"", b" ", b"x "]  # the token at each offset modulo 3 of a base64 blob
+
+
+def encode(raw: bytes, encoding: str, prefix: bytes = b"") -> bytes:
+    blob = prefix + raw + b"\n"
+    if encoding == "base64":
+        return base64.b64encode(blob)
+    if encoding == "base64url":
+        return base64.urlsafe_b64encode(blob).rstrip(b"=")
+    if encoding == "hex":
+        return blob.hex().encode()
+    if encoding == "url":
+        return quote(blob, safe="").encode()
+    return blob
+
+
+def traces(secret: bytes) -> list[bytes]:
+    """Every form in which ``secret`` could survive an encoding."""
+    forms = [secret, secret.hex().encode(), secret.hex().upper().encode(), quote(secret, safe="").encode()]
+    for _, core in _b64_cores(secret):
+        forms += [core, core.translate(bytes.maketrans(b"+/", b"-_"))]
+    return forms
+
+
+def test_every_pattern_kind_has_a_case() -> None:
+    assert {p.kind for p in PATTERNS} == {kind for kind, _, _ in PATTERN_CASES}
+
+
+@pytest.mark.parametrize("prefix", PREFIXES, ids=["align0", "align1", "align2"])
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize(("kind", "token", "part"), PATTERN_CASES, ids=[f"{k}-{t[:12]}" for k, t, _ in PATTERN_CASES])
+def test_pattern_is_caught_in_every_encoding(kind: str, token: str, part: str, encoding: str, prefix: bytes) -> None:
+    secret = (part or token).encode()
+    data = b"log: " + encode(token.encode(), encoding, prefix) + b" ;done\n"
+    out, findings = scrubber().scrub_bytes(data)
+    assert [f.kind for f in findings] == [kind], (out, findings)
+    assert f"[REDACTED:{kind}]".encode() in out
+    for trace in traces(secret):
+        assert trace not in out
+    f = findings[0]
+    expected = encoding.replace("url", "") if encoding.startswith("base64") else encoding
+    assert f.encoding.startswith(expected) or (encoding == "url" and f.encoding == "plain")
+    assert out.startswith(b"log: ") and out.endswith(b" ;done\n")
+
+
+@pytest.mark.parametrize(("kind", "token", "part"), PATTERN_CASES, ids=[f"{k}-{t[:12]}" for k, t, _ in PATTERN_CASES])
+def test_plain_pattern_replaces_exactly_the_token(kind: str, token: str, part: str) -> None:
+    text = f"export X={token}\nnext line"
+    out, findings = scrubber().scrub_text(text)
+    assert out == text.replace(part or token, f"[REDACTED:{kind}]")
+    assert text[findings[0].start : findings[0].end] == (part or token)
+
+
+@pytest.mark.parametrize("wrap", ["base64", "hex"])
+def test_line_wrapped_encoded_private_key_is_redacted_whole(wrap: str) -> None:
+    key = PEM_RSA.replace("q8Lm2Np4", "q8Lm2Np4" + "AbCdEfGh" * 300).encode()  # a 2.5 KB body
+    if wrap == "base64":
+        encoded = base64.encodebytes(key)  # 76 columns, like base64(1)
+    else:
+        digits = key.hex().encode()
+        encoded = b"\n".join(digits[i : i + 60] for i in range(0, len(digits), 60))  # like xxd -p
+    data = b"$ encode key.pem\n" + encoded + b"\n$ done\n"
+    out, findings = scrubber().scrub_bytes(data)
+    assert [(f.kind, f.encoding) for f in findings] == [("private_key", wrap)]
+    assert out.startswith(b"$ encode key.pem\n[REDACTED:private_key]") and out.endswith(b"\n$ done\n")
+    assert len(out) < 64
+    assert streamed(scrubber(), data, list(range(4096, len(data), 4096)))[0] == out
+
+
+def test_truncated_private_key_is_still_redacted() -> None:
+    text = "key:\n" + PEM_RSA.split("-----END")[0] + "(output truncated)"
+    out, findings = scrubber().scrub_text(text)
+    assert [f.kind for f in findings] == ["private_key"]
+    assert "MIIEpAIBAAKCAQEA" not in out and out.endswith("(output truncated)")
+
+
+def test_json_escaped_newlines_keep_a_key_whole() -> None:
+    text = '{"log": "line\\nsk-proj-' + "Ab3dE5gH7j_K9-Lm" * 3 + '\\nmore"}'
+    out, findings = scrubber().scrub_text(text)
+    assert [f.kind for f in findings] == ["openai"] and "Ab3dE5gH7j" not in out
+
+
+NEAR_MISSES = [
+    "sk-abc123",  # too short
+    "sk-proj-short_one",
+    "sk-ant-api03-tooShort",
+    "ghp_" + "a1B2c3D4" * 3,  # 24 of 36
+    "glpat-short",
+    "AIzaSyA1b2C3d4E5f6G7h8",
+    "AKIAZ7QW2ERTYUIOP3L",  # 15 of 16
+    "AKIAz7qw2ertyuiop3lk",  # lower case
+    "XAKIAZ7QW2ERTYUIOP3LKX",  # inside a longer upper-case word
+    "xoxb-short",
+    "12345:AAH" + "x" * 32,  # too few digits
+    "sk_live_short",
+    "the skeleton key skipped a task-management-service-configuration step",
+    "my-disk-0123456789abcdefghijklmnop",
+    "aws_secret_access_key = tooShortValue",
+    "-----BEGIN CERTIFICATE-----\nMIIDdzCCAl+gAwIBAgIEAgAAuTANBgkqhkiG9w0BAQUFADBaMQswCQYDVQQGEwJJ\n-----END CERTIFICATE-----",
+    "-----BEGIN PUBLIC KEY-----\nMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE\n-----END PUBLIC KEY-----",
+    "commit 3f786850e387550fdab836ed7e6dc881de23001b",
+    "sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+    "id 123e4567-e89b-12d3-a456-426614174000 at 2024-05-01T12:00:00.000Z",
+    "data: " + base64.b64encode(bytes(range(256))).decode(),
+    "MTk4NjIyNDgzNDcxOTI1MjQ4.Cl2FMQ",  # a Discord-looking fragment
+    "os.path.join(self.cache_dir, 'pkg-resources-1.2.3.tar.gz')",
+]
+
+
+@pytest.mark.parametrize("text", NEAR_MISSES)
+def test_near_misses_are_left_alone(text: str) -> None:
+    assert scan_text(text) == []
+    assert scrub_bytes(text.encode()) == (text.encode(), [])
+
+
+# -- known secrets -------------------------------------------------------------------------------
+
+SECRET = "p@ss:w0rd/+ Secret?~"  # URL-special characters and a space; base64 with + and /
+SECRETS = (("db", SECRET), ("api", "tok_9f8e7d6c5b4a"))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("prefix", [b"", b"a", b"ab", b"abc"], ids=["p0", "p1", "p2", "p3"])
+@pytest.mark.parametrize(
+    "form",
+    ["plain", "b64", "b64-nopad", "b64url", "b64url-nopad", "url", "url-lower", "url-plus", "hex", "HEX"],
+)
+def test_known_secret_is_caught_in_every_form(form: str, prefix: bytes, engine: str) -> None:
+    raw = prefix + SECRET.encode()
+    encoded = {
+        "plain": raw,
+        "b64": base64.b64encode(raw),
+        "b64-nopad": base64.b64encode(raw).rstrip(b"="),
+        "b64url": base64.urlsafe_b64encode(raw),
+        "b64url-nopad": base64.urlsafe_b64encode(raw).rstrip(b"="),
+        "url": quote(raw, safe="").encode(),
+        "url-lower": re.sub(rb"%[0-9A-F]{2}", lambda m: m.group().lower(), quote(raw, safe="").encode()),
+        "url-plus": quote_plus(raw, safe="").encode(),
+        "hex": raw.hex().encode(),
+        "HEX": raw.hex().upper().encode(),
+    }[form]
+    out, findings = scrubber(SECRETS, patterns=False, engine=engine).scrub_bytes(b"Authorization: " + encoded + b"\n")
+    assert [f.kind for f in findings] == ["db"], out
+    assert b"[REDACTED:db]" in out
+    for trace in traces(SECRET.encode()):
+        assert trace not in out
+    if form.startswith("b64"):
+        # the mixed characters on both sides went too: what is left decodes to the prefix at most
+        left = out.split(b"[REDACTED:db]")[0].removeprefix(b"Authorization: ")
+        assert len(left) <= len(prefix) * 4 // 3
+
+
+def test_secrets_shorter_than_the_minimum_are_ignored() -> None:
+    sc = Scrubber({"pin": "a" * (MIN_SECRET_LEN - 1), "ok": "b" * MIN_SECRET_LEN}, patterns=False)
+    out, findings = sc.scrub_bytes(b"aaa bbbb")
+    assert out == b"aaa [REDACTED:ok]" and [f.kind for f in findings] == ["ok"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_overlapping_secrets_longest_wins(engine: str) -> None:
+    sc = scrubber((("short", "Secret-Val"), ("long", "hunter2-Secret-Value!")), patterns=False, engine=engine)
+    assert sc.scrub_bytes(b"x hunter2-Secret-Value! y")[0] == b"x [REDACTED:long] y"
+    assert sc.scrub_bytes(b"x my-Secret-Val y")[0] == b"x my-[REDACTED:short] y"
+    # partly overlapping: nothing of either may remain
+    sc = scrubber((("a", "abcdEFGH1234"), ("b", "EFGH1234wxyz")), patterns=False, engine=engine)
+    out, findings = sc.scrub_bytes(b"<abcdEFGH1234wxyz>")
+    assert out == b"<[REDACTED:a]>" and len(findings) == 1
+
+
+def test_known_secret_name_wins_over_pattern_kind() -> None:
+    key = "ghp_" + "A1b2C3d4E5" * 3 + "F6g7H8"
+    assert scrubber((("GITHUB_TOKEN", key),)).scrub_text(f"t={key}")[0] == "t=[REDACTED:GITHUB_TOKEN]"
+
+
+# -- streaming: chunk boundaries and UTF-8 ---------------------------------------------------------
+
+STREAM_SECRETS = (("tok", "hunter2-Secret-Value!"),)
+BOUNDARY_CASES = [
+    b"before hunter2-Secret-Value! after",
+    b"b64 " + base64.b64encode(b"user:hunter2-Secret-Value!") + b" end",
+    b"key sk-proj-" + b"Ab3dE5gH7j_K9-Lm" * 3 + b" end",
+    b"tg 123456789:AAH" + b"dQw4w9WgXcQ_abcdefghij-KLMNOPqrs" + b" end",
+]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("data", BOUNDARY_CASES, ids=["plain", "base64", "pattern", "unanchored"])
+def test_secret_split_at_every_chunk_boundary(data: bytes, engine: str) -> None:
+    sc = scrubber(STREAM_SECRETS, engine=engine)
+    whole, findings = sc.scrub_bytes(data)
+    assert b"[REDACTED:" in whole
+    for i in range(1, len(data)):
+        out, found, _ = streamed(sc, data, [i])
+        assert (out, found) == (whole, findings), i
+    assert streamed(sc, data, list(range(1, len(data))))[0] == whole  # byte by byte
+
+
+@pytest.mark.parametrize("char", ["é", "€", "😀"])
+def test_multibyte_neighbours_and_split_characters(char: str) -> None:
+    sc = scrubber(STREAM_SECRETS)
+    text = f"{char}hunter2-Secret-Value!{char}{char} {char}sk-proj-{'Ab3dE5gH7j_K9-Lm' * 3}{char}"
+    data = text.encode()
+    expected = f"{char}[REDACTED:tok]{char}{char} {char}[REDACTED:openai]{char}".encode()
+    assert sc.scrub_bytes(data)[0] == expected
+    for i in range(1, len(data)):
+        for j in (i + 1, i + 2, i + 3):
+            out, _, pieces = streamed(sc, data, [i, j] if j < len(data) else [i])
+            assert out == expected
+            for piece in pieces:
+                piece.decode("utf-8")  # never a split character
+
+
+def test_incomplete_character_is_held_back() -> None:
+    s = Scrubber({}, patterns=False).stream()
+    euro = "€".encode()
+    assert s.feed(b"abc" + euro[:2]) == b"abc"
+    assert s.feed(euro[2:] + b"d") == "€d".encode()
+    assert s.flush() == b""
+
+
+def test_hold_back_is_bounded() -> None:
+    s = scrubber(STREAM_SECRETS).stream()
+    chunk = b"2024-05-01 INFO request handled in 12ms\n" * 200
+    assert len(s.feed(chunk)) >= len(chunk) - 256
+    assert len(s.feed(chunk)) >= len(chunk) - 64
+
+
+def test_findings_carry_stream_offsets() -> None:
+    s = scrubber(STREAM_SECRETS).stream()
+    out = s.feed(b"x" * 1000) + s.feed(b" hunter2-Secret-Value! ") + s.flush()
+    assert out.count(b"[REDACTED:tok]") == 1
+    assert [(f.start, f.end) for f in s.findings] == [(1001, 1022)]
+
+
+def test_scan_text_offsets_are_characters() -> None:
+    text = "é€😀 AKIAZ7QW2ERTYUIOP3LK"
+    (f,) = scan_text(text)
+    assert text[f.start : f.end] == "AKIAZ7QW2ERTYUIOP3LK"
+    assert scan_text("x hunter2-Secret-Value!", dict(STREAM_SECRETS))[0].kind == "tok"
+
+
+def test_engines_agree() -> None:
+    data = b"\n".join(
+        [encode(t.encode(), e, p) for _, t, _ in PATTERN_CASES for e in ENCODINGS for p in PREFIXES]
+        + [base64.b64encode(b"u:" + SECRET.encode()), SECRET.encode().hex().encode()]
+    )
+    results = {e: scrubber(SECRETS, engine=e).scrub_bytes(data) for e in ENGINES}
+    first = results[ENGINES[0]]
+    assert all(r == first for r in results.values())
+
+
+# -- actions, allowlist, fingerprints ------------------------------------------------------------
+
+
+def test_allowlist_suppresses_documented_examples() -> None:
+    text = "AWS_ACCESS_KEY_ID=AKIAIOSFODNN7EXAMPLE\naws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY\n"
+    assert len(scrubber().scan_text(text)) == 2
+    allowed = scrubber(allow=tuple(EXAMPLE_KEYS))
+    assert allowed.scrub_text(text) == (text, [])
+    encoded = base64.b64encode(b"id AKIAIOSFODNN7EXAMPLE\n")
+    assert allowed.scrub_bytes(encoded) == (encoded, [])
+
+
+def test_block_raises_without_the_value() -> None:
+    key = "sk-proj-" + "Ab3dE5gH7j_K9-Lm" * 3
+    sc = scrubber(action=LeakAction.BLOCK)
+    with pytest.raises(SecretLeakBlocked) as info:
+        sc.scrub_bytes(f"token {key}".encode())
+    err = info.value
+    assert isinstance(err, SandmanError)
+    assert "openai" in str(err) and err.finding.fingerprint in str(err)
+    for text in (str(err), repr(err), repr(err.finding), str(err.finding.model_dump())):
+        assert key not in text and "Ab3dE5gH7j" not in text
+    # in a stream, the chunk with the secret is never returned, and the stream stays failed
+    s = sc.stream()
+    assert s.feed(b"harmless line\n" * 100)
+    with pytest.raises(SecretLeakBlocked):
+        s.feed(f"token {key} ".encode() + b"." * 200)
+    with pytest.raises(SecretLeakBlocked):
+        s.feed(b"more")
+
+
+def test_warn_leaves_the_text_and_reports() -> None:
+    data = b"token AKIAZ7QW2ERTYUIOP3LK and hunter2-Secret-Value!"
+    out, findings = scrubber(STREAM_SECRETS, action=LeakAction.WARN).scrub_bytes(data)
+    assert out == data
+    assert [(f.kind, data[f.start : f.end]) for f in findings] == [
+        ("aws_access_key", b"AKIAZ7QW2ERTYUIOP3LK"),
+        ("tok", b"hunter2-Secret-Value!"),
+    ]
+
+
+def test_fingerprints_are_keyed_and_encoding_independent() -> None:
+    value = "hunter2-Secret-Value!"
+    data = f"{value} {base64.b64encode(value.encode()).decode()} {value.encode().hex()}".encode()
+    prints = {f.fingerprint for f in scrubber(STREAM_SECRETS).scrub_bytes(data)[1]}
+    assert len(prints) == 1
+    (fp,) = prints
+    assert len(fp) == 12 and fp != hashlib.sha256(value.encode()).hexdigest()[:12]
+    other = Scrubber(dict(STREAM_SECRETS), fingerprint_key=b"k" * 32).scrub_bytes(data)[1][0]
+    assert other.fingerprint != fp
+
+
+def test_feed_after_flush_is_an_error() -> None:
+    s = scrubber().stream()
+    s.flush()
+    with pytest.raises(ValueError):
+        s.feed(b"x")
+
+
+# -- properties ------------------------------------------------------------------------------------
+
+# No letters or digits in the filler, so it cannot form a secret, an encoding or a pattern; each
+# secret holds one "Z", first, so two inserted side by side cannot form a third across the seam.
+FILLER = st.text(alphabet=" .,;!?()[]{}<>\n\té€😀ü", max_size=40)
+PROP_SECRETS = {"alpha": "Zq7Kx9Lm2Np", "beta": "Zr8-Tt_Uu5v", "gamma": "Zs9Vw0Xy1Ba2Bc3", "delta": "ZqK7x9"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parts=st.lists(st.tuples(FILLER, st.sampled_from(sorted(PROP_SECRETS))), max_size=8),
+    tail=FILLER,
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=12),
+    engine=st.sampled_from(ENGINES),
+)
+def test_property_streamed_output_replaces_exactly_the_secrets(
+    parts: list[tuple[str, str]], tail: str, cuts: list[int], engine: str
+) -> None:
+    sc = scrubber(tuple(PROP_SECRETS.items()), engine=engine)
+    data = "".join(f + PROP_SECRETS[name] for f, name in parts) + tail
+    expected = "".join(f"{f}[REDACTED:{name}]" for f, name in parts) + tail
+    raw = data.encode()
+    out, findings, pieces = streamed(sc, raw, sorted({c for c in cuts if c < len(raw)}))
+    assert out.decode() == expected
+    assert [f.kind for f in findings] == [name for _, name in parts]
+    assert not any(v.encode() in out for v in PROP_SECRETS.values())
+    for piece in pieces:
+        piece.decode("utf-8")
+
+
+FRAGMENTS = st.one_of(
+    st.sampled_from([t for _, t, _ in PATTERN_CASES] + ["hunter2-Secret-Value!", "Secret-Val", "é€😀"]).map(str.encode),
+    st.tuples(
+        st.sampled_from([t for _, t, _ in PATTERN_CASES[::3]]),
+        st.sampled_from(ENCODINGS),
+        st.sampled_from(PREFIXES),
+    ).map(lambda a: encode(a[0].encode(), a[1], a[2])),
+    st.binary(max_size=120).map(base64.b64encode),
+    st.text(alphabet="abcXYZ019 :._-%=+/\\\n€", max_size=60).map(str.encode),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    fragments=st.lists(FRAGMENTS, max_size=10),
+    cuts=st.lists(st.integers(min_value=0, max_value=6000), max_size=10),
+    engine=st.sampled_from(ENGINES),
+)
+def test_property_chunking_never_changes_the_output(fragments: list[bytes], cuts: list[int], engine: str) -> None:
+    sc = scrubber((("tok", "hunter2-Secret-Value!"), ("sub", "Secret-Val")), engine=engine)
+    data = b"".join(fragments)
+    whole = sc.scrub_bytes(data)
+    out, findings, _ = streamed(sc, data, sorted({c for c in cuts if c < len(data)}))
+    assert (out, findings) == whole
