@@ -207,13 +207,12 @@ def doctor(verify: bool, policy: str | None, json_out: bool) -> None:
 
 
 def _verify(settings: Any, policy: str | None) -> dict[str, Any]:
+    import secrets as _secrets
     import shutil
     import tempfile
 
     from sandman.session import Sandbox
     from sandman.verify import host_listener, host_secrets_from_env, run_battery, runc_warnings, runtime_versions
-
-    import secrets as _secrets
 
     scratch = Path(tempfile.mkdtemp(prefix="sandman-verify-"))
     # A canary secret in this process's environment: the battery shows it never reaches the sandbox.
