@@ -10,6 +10,9 @@
   create       Sandbox() (image cached) vs `docker run -d` of the same image
   pool         Pool.acquire() (target median <= 50 ms)
   concurrent   32 sessions created and used at once: all succeed; throughput and our memory
+  scrub        secret scrubbing throughput on 64 MiB of realistic output, exact-match and full
+               (patterns + encodings), 4 KiB and 64 KiB chunks, vs copying the stream unscrubbed
+               (targets: >= 100 MB/s exact, >= 30 MB/s full); scripts/bench_scrub.py prints more
   upcall       a no-op upcall from inside the sandbox (JSON-RPC over the relay socket), median
                and p99 (target median <= 5 ms), against a bare `python3 -c pass`-free baseline:
                the same client loop against an echo server in the same sandbox
@@ -346,6 +349,16 @@ def main() -> int:
             f"baseline: a unix-socket echo in the same sandbox "
             f"{up['baseline_unix_echo_in_sandbox']['median_s'] * 1000:.2f}ms"
         )
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from bench_scrub import CHUNKS, bench_scrub
+
+        results["scrub"] = sc = bench_scrub(64)
+        for label in CHUNKS:
+            print(
+                f"scrub      {label:>3} chunks: baseline copy {sc['baseline'][label]:.0f} MB/s, "
+                f"exact {sc['exact'][label]['mb_s']:.0f} MB/s (target >= 100), "
+                f"full {sc['full'][label]['mb_s']:.0f} MB/s (target >= 30)"
+            )
         results["concurrent"] = co = bench_concurrent(ws)
         print(
             f"concurrent {co['succeeded']}/{co['sessions']} sessions ok in {co['wall_s']}s "
