@@ -77,9 +77,12 @@ def request(message: dict[str, Any]) -> dict[str, Any]:
         sock = connect()
     except ControllerUnavailable as exc:
         raise SandboxError(str(exc)) from None
-    with sock:
-        sock.sendall(json.dumps(message).encode() + b"\n")
-        kind, payload = protocol.recv_frame(sock)
+    try:
+        with sock:
+            sock.sendall(json.dumps(message).encode() + b"\n")
+            kind, payload = protocol.recv_frame(sock)
+    except OSError as exc:  # ConnectionError included
+        raise SandboxError(f"the sandman controller did not answer: {exc}") from None
     data: dict[str, Any] = json.loads(payload)
     if kind == protocol.ERROR:
         raise SandboxError(f"controller: {data.get('message')}")

@@ -107,8 +107,17 @@ class Handler(socketserver.StreamRequestHandler):
                 RelayHost.stop_if_running(session_id)
                 protocol.send_json(self.request, protocol.RESULT, {"stopped": session_id})
                 return
-            sb = Sandbox.attach(session_id)
-            started = RelayHost.shared().ensure(sb._relay_context(sb.record))
+            from sandman.session import SessionGone
+            from sandman.state import SessionState, StateStore
+
+            settings = Settings.load()
+            store = StateStore(settings.state_dir)
+            rec = store.get_session(session_id)
+            store.close()
+            if rec is None or not SessionState(rec.state).live:
+                raise SessionGone(f"session {session_id} is not live")
+            sb = Sandbox(settings=settings, _record=rec)  # not attach(): that would ask us again
+            started = RelayHost.shared().ensure(sb._relay_context(rec))
             protocol.send_json(self.request, protocol.RESULT, {"session_id": session_id, "started": started})
         except SandmanError as exc:
             protocol.send_json(self.request, protocol.ERROR, {"message": str(exc), "exit_code": exc.exit_code})

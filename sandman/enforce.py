@@ -190,7 +190,9 @@ def sandbox_env(
     for name in private:
         public.pop(name, None)
     known = known_secrets(settings, policy, host_env)
-    known.update(private)
+    # Injected secrets are scrubbed from output; passthrough values are configuration, not secrets
+    # (scrubbing a value such as "fast" would mangle every output that says "fast").
+    known.update({name: private[name] for name in policy.secrets.inject if name in private})
     return SandboxEnv(public, private, tuple(built.refused), known)
 
 

@@ -400,9 +400,15 @@ class Runner:
                 # chunks included), then the output cap.
                 scrubber = enforce.make_scrubber(layer2.env.known_secrets)
                 scrub_out, scrub_err = scrubber.stream(), scrubber.stream()
-                for out, err in stream:
+                for out, err in _with_idle_ticks(stream, IDLE_RELEASE_S):
                     if cancel.fired or timed_out.is_set():
                         continue  # keep draining: the engine only finishes a kill once it is read
+                    if out is None and err is None:  # idle: release what the scrubbers hold back
+                        if held := cap.take(scrub_out.release()):
+                            stdout(held)
+                        if held := cap.take(scrub_err.release()):
+                            stderr(held)
+                        continue
                     if out and (out := cap.take(scrub_out.feed(out))):
                         stdout(out)
                     if err:
@@ -474,6 +480,39 @@ class Runner:
 
 class _Cancelled(Exception):
     pass
+
+
+IDLE_RELEASE_S = 0.05
+
+
+def _with_idle_ticks(
+    stream: Iterator[tuple[bytes | None, bytes | None]], idle_s: float
+) -> Iterator[tuple[bytes | None, bytes | None]]:
+    """The engine's (stdout, stderr) frames, read in a thread, with (None, None) whenever the
+    stream has been quiet for ``idle_s``; the thread keeps draining whatever the consumer does."""
+    import queue
+
+    frames: queue.Queue[tuple[bytes | None, bytes | None] | None] = queue.Queue(maxsize=1024)
+
+    def pump() -> None:
+        try:
+            for frame in stream:
+                frames.put(frame)
+        except Exception:
+            pass
+        finally:
+            frames.put(None)
+
+    threading.Thread(target=pump, name="sandman-attach", daemon=True).start()
+    while True:
+        try:
+            frame = frames.get(timeout=idle_s)
+        except queue.Empty:
+            yield None, None
+            continue
+        if frame is None:
+            return
+        yield frame
 
 
 def _expire(timed_out: threading.Event, cancel: Cancel) -> None:

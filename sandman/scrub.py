@@ -751,6 +751,16 @@ class StreamScrubber:
         self._buf += bytes(chunk)
         return self._emit(final=False)
 
+    def release(self) -> bytes:
+        """Everything held back, scrubbed, with the stream kept open: for a stream gone idle, so
+        live output is not delayed. A secret split across such a pause can no longer be matched
+        whole (its first part is already out): the price of prompt output, taken only when idle."""
+        if self._blocked is not None:
+            raise self._blocked
+        if self._done or len(self._buf) == self._begin:
+            return b""
+        return self._emit(final=True)
+
     def _flush_all(self, data: bytes) -> bytes:
         # One pass over a whole input: what scrub_bytes is, and what streaming must equal.
         self._buf = data

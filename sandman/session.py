@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import socket
 import struct
 import threading
@@ -24,6 +25,7 @@ from sandman import bwrap, enforce, resources
 from sandman.causes import CgroupWatch, OutputCap
 from sandman.engine import ContainerSpec, container_kwargs, engine_retry, state_id_for
 from sandman.errors import SandboxError, SandmanError, UsageError
+from sandman.files import Files
 from sandman.policy import Policy
 from sandman.relay import RelayContext, RelayHost
 from sandman.runner import TINI, ExitCause, Runner, classify_end, make_runtime_dir, new_session_id, process_start
@@ -40,6 +42,7 @@ CONTROL_DIR = "control"
 CONTROL_SOCK = "ctl.sock"
 HEADER = struct.Struct(">cI")
 READY_TIMEOUT_S = 30.0
+IDLE_RELEASE_S = 0.05  # a stream quiet this long has its scrubber's held-back tail released
 EXIT_IDLE, EXIT_LIFETIME = 3, 4
 
 
@@ -155,6 +158,15 @@ class Sandbox:
         self.record = self._create(campaign, owned, kind, dict(labels or {}))
 
     # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def files(self) -> Files:
+        """Host-side, path-validated access to the workspace: ``read``, ``write``, ``list``."""
+        return Files(
+            self.workspace,
+            lambda: self.policy,
+            lambda event, verdict, **detail: self.state.audit(self.id, event, verdict, **detail),
+        )
+
     @property
     def id(self) -> str:
         return self.record.id
@@ -302,9 +314,11 @@ class Sandbox:
         """Stop the session: kill every process (no SIGTERM grace), remove the container."""
         self._teardown(self.record, SessionState.STOPPED, "closed")
 
+    def _upcall_sock(self, rec: SessionRecord) -> Path:
+        return Path(rec.runtime_dir) / "upcall" / "upcall.sock"
+
     def _relay_context(self, rec: SessionRecord) -> RelayContext:
-        sock = Path(rec.runtime_dir) / "upcall" / "upcall.sock"
-        return RelayContext(rec.id, rec.campaign, self.workspace, self.policy, self.settings, sock)
+        return RelayContext(rec.id, rec.campaign, self.workspace, self.policy, self.settings, self._upcall_sock(rec))
 
     def _start_relay(self, rec: SessionRecord, owned: bool) -> None:
         """The session's upcall relay: in this process when it owns the session, else in the
@@ -350,7 +364,12 @@ class Sandbox:
             raise SessionNotFound(f"no session {session_id!r}: see `sandman session ls`")
         if not SessionState(rec.state).live:
             raise SessionGone(f"session {session_id} has ended ({rec.state}: {rec.end_reason})")
-        return cls(settings=settings, _record=rec)
+        sb = cls(settings=settings, _record=rec)
+        if rec.owner_pid is None and sb.policy.upcalls.helpers and not _answers(sb._upcall_sock(rec)):
+            # Its relay lived in a controller that is gone: start it again; the sandbox finds the
+            # new socket in the same (bound) directory.
+            sb._start_relay(rec, owned=False)
+        return sb
 
     # -- exec ---------------------------------------------------------------------------------
     def masks(self) -> enforce.Masks:
@@ -438,6 +457,13 @@ class Sandbox:
             if stdin is not None:
                 threading.Thread(target=_feed_stdin, args=(sock, stdin), daemon=True).start()
             while True:
+                if not select.select([sock], [], [], IDLE_RELEASE_S)[0]:
+                    # Idle: let what the scrubbers hold back go out now rather than at the end.
+                    for name, scrub in (("stdout", scrub_out), ("stderr", scrub_err)):
+                        if held := cap.take(scrub.release()):
+                            (out if name == "stdout" else err).extend(held)
+                            yield Output(name, held)
+                    continue
                 try:
                     kind, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
                     payload = _recv_exact(sock, length)
@@ -571,6 +597,17 @@ class Sandbox:
         self.record.limits = json.dumps(limits)
         self.state.update_session(self.id, limits=self.record.limits)
         self.state.audit(self.id, "session.update", cpus=cpus, memory=memory, pids=pids)
+
+
+def _answers(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket at ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1)
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 @contextlib.contextmanager

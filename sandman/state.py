@@ -125,12 +125,23 @@ class StateStore:
         self.path = state_dir / "sandman.db"
         self._scrub = scrub
         self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
-        if "policy" not in columns:  # a state dir from before policies were recorded
-            self._db.execute("ALTER TABLE sessions ADD COLUMN policy TEXT NOT NULL DEFAULT '{}'")
+        self._db.execute("PRAGMA busy_timeout = 30000")
+        # Many processes open the store at once (parallel sessions, CLI calls): switching to WAL and
+        # creating the schema can meet a lock that busy_timeout does not cover, so retry briefly.
+        for attempt in range(50):
+            try:
+                if self._db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.executescript(SCHEMA)
+                columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
+                if "policy" not in columns:  # a state dir from before policies were recorded
+                    self._db.execute("ALTER TABLE sessions ADD COLUMN policy TEXT NOT NULL DEFAULT '{}'")
+                break
+            except sqlite3.OperationalError as exc:
+                if ("locked" not in str(exc) and "busy" not in str(exc)) or attempt == 49:
+                    raise
+                time.sleep(0.05 + 0.01 * attempt)
         with contextlib.suppress(OSError):
             self.path.chmod(0o600)
 

@@ -3,6 +3,7 @@ live updates, attach from another process, crash recovery and the warm pool."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -238,3 +239,58 @@ def test_policy_changes_apply_live_or_say_they_need_a_new_session(
             box.update_policy(rebuild)
         events = [e.event for e in StateStore(settings.state_dir).events(session=box.id)]
         assert "command.refused" in events and "session.policy" in events
+
+
+def test_files_api_is_path_validated(sb: Sandbox, workspace: Path, settings: Settings) -> None:
+    from sandman.paths import PathDenied
+
+    sb.files.write("src/app.py", "print('hi')\n")
+    assert sb.exec(["python3", "src/app.py"]).stdout == b"hi\n"  # the sandbox sees it
+    assert (workspace / "src" / "app.py").stat().st_uid == workspace.stat().st_uid
+    assert sb.files.read("src/app.py") == b"print('hi')\n"
+    (workspace / ".env").write_text("SECRET=1\n")
+    (workspace / "out").symlink_to("/etc")
+    for bad in (".env", "../outside", "/etc/passwd", "out/passwd"):
+        with pytest.raises(PathDenied):
+            sb.files.read(bad)
+    with pytest.raises(PathDenied):
+        sb.files.write("out/evil", "x")
+    assert not Path("/etc/evil").exists()
+    names = [f.path for f in sb.files.list(".")]
+    assert "src" in names and ".env" not in names
+    events = StateStore(settings.state_dir).events(session=sb.id)
+    assert sum(1 for e in events if e.event == "path.refused") == 5
+
+
+def test_a_cli_sessions_relay_survives_its_controller(engine: object, agent_image: str, workspace: Path,
+                                                      tmp_path: Path, cli_env: dict[str, str]) -> None:
+    import signal as _signal
+
+    policy = tmp_path / "upcalls.toml"
+    policy.write_text("[upcalls.helpers.noop]\n")
+    env = dict(cli_env)
+    created = subprocess.run([*SANDMAN, "session", "create", "-w", str(workspace), "--policy", str(policy)],
+                             env=env, capture_output=True, text=True, timeout=120)
+    sid = created.stdout.strip()
+    assert created.returncode == 0 and sid.startswith("sm-"), created.stderr
+    try:
+        def upcall() -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*SANDMAN, "session", "exec", sid, "--", "sandman-upcall", "noop", "alive"],
+                                  env=env, capture_output=True, text=True, timeout=120)
+
+        assert upcall().stdout == "alive\n"
+        # Kill the controller that hosts the relay (SIGKILL: no goodbye); the sandbox stays up.
+        run_dir = Path(env["SANDMAN_RUNTIME_DIR"])
+        for sock in run_dir.glob("controller-*.sock"):
+            import socket as _socket
+
+            with _socket.socket(_socket.AF_UNIX) as s:
+                s.connect(str(sock))
+                s.sendall(b'{"op": "ping"}\n')
+                pid = json.loads(s.recv(4096)[5:])["pid"]
+            os.kill(pid, _signal.SIGKILL)
+        time.sleep(0.5)
+        again = upcall()  # attach notices the dead relay and a new controller serves it
+        assert again.returncode == 0 and again.stdout == "alive\n", again.stderr
+    finally:
+        subprocess.run([*SANDMAN, "session", "stop", sid], env=env, capture_output=True, timeout=60)
