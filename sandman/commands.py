@@ -107,7 +107,8 @@ class CommandsPolicy(_Strict):
     """The programs the controller may run (``allow``; None means any) and per-program rules."""
 
     allow: list[str] | None = None
-    rules: dict[str, ProgramRule] = Field(default_factory=dict)
+    # Unset: the default git rules, so an operator who writes only an allowlist keeps them.
+    rules: dict[str, ProgramRule] = Field(default_factory=lambda: dict(DEFAULT_RULES))
 
     @field_validator("allow")
     @classmethod

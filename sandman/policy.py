@@ -10,6 +10,7 @@ file, the key and the reason.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -164,10 +165,7 @@ class Policy(_Strict):
         """A copy with some resource values replaced (CLI overrides), validated again."""
         data = self.resources.model_dump()
         data.update({k: v for k, v in changes.items() if v is not None})
-        memory = changes.get("memory")
-        if memory is not None and changes.get("tmpfs_size") is None and 2 * data["tmpfs_size"] >= parse_size(memory):
-            # A lower memory cap alone shrinks /tmp and HOME to a quarter of it each, not an error.
-            data["tmpfs_size"] = max(parse_size(memory) // 4, 1 << 20)
+        _fit_tmpfs(data, changes)
         try:
             return self.model_copy(update={"resources": Resources(**data)})
         except ValidationError as exc:
@@ -176,6 +174,16 @@ class Policy(_Strict):
     def digest(self) -> str:
         """A stable hash of the effective policy (recorded with sessions)."""
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+def _fit_tmpfs(merged: dict[str, Any], changed: dict[str, Any]) -> None:
+    """A lower memory cap alone shrinks /tmp and HOME to a quarter of it each, not an error."""
+    memory = changed.get("memory")
+    if memory is None or changed.get("tmpfs_size") is not None:
+        return
+    with contextlib.suppress(ValueError):
+        if 2 * parse_size(merged["tmpfs_size"]) >= parse_size(memory):
+            merged["tmpfs_size"] = max(parse_size(memory) // 4, 1 << 20)
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -350,7 +358,9 @@ def effective_policy(operator: Path | None = None, workspace: Path | None = None
         c_data = _read_toml(campaign_path)
         if "campaign" in c_data:
             raise ConfigError(f"{campaign_path}: key 'campaign': only the operator's policy can grant loosening")
-        policy = _validate(_merge(op.model_dump(mode="json"), c_data), campaign_path)
+        merged = _merge(op.model_dump(mode="json"), c_data)
+        _fit_tmpfs(merged["resources"], c_data.get("resources") or {})
+        policy = _validate(merged, campaign_path)
         granted = set(op.campaign.may_loosen)
         for key in flatten(c_data):
             head = "commands" if key.startswith("commands.rules.") else key.split(".")[0]

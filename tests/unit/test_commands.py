@@ -216,7 +216,8 @@ def test_explain_is_one_line() -> None:
 def test_default_commands_policy_has_the_git_rules() -> None:
     assert DEFAULT_COMMANDS.allow is None
     assert not check_command(["git", "push", "-f"], DEFAULT_COMMANDS).allowed
-    assert CommandsPolicy().rules == {}  # an explicit policy starts empty
+    assert CommandsPolicy().rules == DEFAULT_COMMANDS.rules  # an allowlist alone keeps the git rules
+    assert CommandsPolicy(rules={}).rules == {}  # only an explicit empty table drops them
 
 
 def test_argv_must_be_a_sequence_of_arguments() -> None:
