@@ -56,6 +56,12 @@ def _fail(exc: SandmanError) -> NoReturn:
     sys.exit(exc.exit_code)
 
 
+def workspace_option(help_text: str = "Workspace (project directory).") -> Callable[[F], F]:
+    return click.option(
+        "-w", "--workspace", type=click.Path(path_type=Path), default=Path("."), show_default=True, help=help_text
+    )
+
+
 def json_option(f: F) -> F:
     return click.option("--json", "json_out", is_flag=True, help="Print JSON instead of text.")(f)
 
@@ -70,14 +76,7 @@ def app() -> None:
 
 @app.command(context_settings={"allow_interspersed_args": False})
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-@click.option(
-    "-w",
-    "--workspace",
-    type=click.Path(path_type=Path),
-    default=Path("."),
-    show_default=True,
-    help="Project directory, mounted read-write at /workspace.",
-)
+@workspace_option("Project directory, mounted read-write at /workspace.")
 @click.option("--campaign", help="Campaign name (.sandman/campaigns/NAME.toml); default: .sandman/image.toml.")
 @click.option(
     "--policy", type=click.Path(path_type=Path), help="Policy file (default: the operator's, else sandman's)."
@@ -103,7 +102,8 @@ def run(
     Put the command after --, e.g.  sandman run -w . -- make test
 
     stdout and stderr stream live and separately. With --json, one line of JSON follows the
-    output: exit_code, cause (exit, timeout, oom, killed, error), duration_s, session_id.
+    output: exit_code, cause (exit, timeout, oom, pids-limit, disk-full, killed, error), duration_s,
+    session_id.
     """
     args = {
         "command": list(command),
@@ -262,14 +262,7 @@ def image() -> None:
 
 
 @image.command("build")
-@click.option(
-    "-w",
-    "--workspace",
-    type=click.Path(path_type=Path),
-    default=Path("."),
-    show_default=True,
-    help="Workspace whose campaign image to build.",
-)
+@workspace_option("Workspace whose campaign image to build.")
 @click.option("--campaign", help="Campaign name.")
 @click.option("--rebuild", is_flag=True, help="Rebuild even when the image is cached.")
 @click.option("--base-only", is_flag=True, help="Only the base and agent images (no workspace needed).")
@@ -364,7 +357,7 @@ def session() -> None:
 
 
 @session.command("create")
-@click.option("-w", "--workspace", type=click.Path(path_type=Path), default=Path("."), show_default=True)
+@workspace_option()
 @click.option("--campaign", help="Campaign name.")
 @click.option("--policy", help="Policy name (default, strict) or file.")
 @json_option
@@ -593,7 +586,7 @@ def pool() -> None:
 
 
 @pool.command("start")
-@click.option("-w", "--workspace", type=click.Path(path_type=Path), default=Path("."), show_default=True)
+@workspace_option()
 @click.option("--size", type=click.IntRange(min=1, max=64), default=2, show_default=True)
 @click.option("--campaign", help="Campaign name.")
 @click.option("--policy", help="Policy name or file.")
@@ -651,7 +644,7 @@ def pool_start(workspace: Path, size: int, campaign: str | None, policy: str | N
 
 
 @pool.command("acquire")
-@click.option("-w", "--workspace", type=click.Path(path_type=Path), default=Path("."), show_default=True)
+@workspace_option()
 @click.option("--campaign", help="Campaign name.")
 @click.option("--policy", help="Policy name or file.")
 @click.option("--timeout", type=float, default=60.0, show_default=True)
@@ -838,7 +831,7 @@ def policy_check(file: Path, json_out: bool) -> None:
 
 
 @policy_group.command("explain", context_settings={"allow_interspersed_args": False})
-@click.option("-w", "--workspace", type=click.Path(path_type=Path), default=Path("."), show_default=True)
+@workspace_option()
 @click.option("--policy", help="Operator policy name or file.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 @json_option
