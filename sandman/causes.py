@@ -34,6 +34,26 @@ def _read_key(path: Path, key: str) -> int:
 class CgroupWatch:
     """The cgroup files of one container, located once while its init process lives."""
 
+    @classmethod
+    def for_container(cls, container_id: str, pid: Callable[[], int]) -> CgroupWatch:
+        """Docker's usual cgroup paths first (no engine call); else through the init's pid."""
+        v1 = CGROUP_ROOT / "pids" / "docker" / container_id
+        if v1.is_dir():
+            watch = cls(0)
+            watch.pids_events = v1 / "pids.events"
+            watch.memory_files = [(CGROUP_ROOT / "memory" / "docker" / container_id / "memory.oom_control", "oom_kill")]
+            return watch
+        for v2 in (
+            CGROUP_ROOT / "system.slice" / f"docker-{container_id}.scope",
+            CGROUP_ROOT / "docker" / container_id,
+        ):
+            if (v2 / "pids.events").exists():
+                watch = cls(0)
+                watch.pids_events = v2 / "pids.events"
+                watch.memory_files = [(v2 / "memory.events", "oom_kill")]
+                return watch
+        return cls(pid())
+
     def __init__(self, pid: int) -> None:
         self.pids_events: Path | None = None
         self.memory_files: list[tuple[Path, str]] = []

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import time
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ _CAMPAIGN_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 _APT_NAME = re.compile(r"^[a-z0-9][a-z0-9+.-]*(=[A-Za-z0-9.+:~-]+)?$")
 _PIP_REQ = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?([<>=!~]=?[A-Za-z0-9.*+!-]+,?)*$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENSURE_TTL_S = 60.0
+_ENSURED: dict[tuple[str, str, str, str], tuple[str, float]] = {}
 
 
 def _quiet(_: str) -> None:
@@ -251,7 +254,24 @@ class ImageManager:
         return f"{CAMPAIGN_REPO}-{campaign.name}:{digest[:16]}"
 
     def ensure(self, campaign: Campaign, progress: Progress = _quiet, rebuild: bool = False) -> str:
-        """The image tag to run for ``campaign``, building only what is missing."""
+        """The image tag to run for ``campaign``, building only what is missing.
+
+        A resolved tag is remembered for a minute (checked with one inspect): resolving from
+        scratch costs several engine calls, a noticeable share of a one-shot run."""
+        key = (
+            self.base_image,
+            self.offline_base_image,
+            campaign.name,
+            json.dumps(campaign.spec.model_dump(mode="json"), sort_keys=True),
+        )
+        cached = _ENSURED.get(key)
+        if not rebuild and cached and cached[1] > time.monotonic() and _image_id(self.api, cached[0]):
+            return cached[0]
+        tag = self._ensure(campaign, progress, rebuild)
+        _ENSURED[key] = (tag, time.monotonic() + ENSURE_TTL_S)
+        return tag
+
+    def _ensure(self, campaign: Campaign, progress: Progress, rebuild: bool) -> str:
         base_ref = self.resolve_base(progress)
         base_tag = self.base_tag(base_ref)
         if rebuild or not _image_id(self.api, base_tag):

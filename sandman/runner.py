@@ -271,6 +271,9 @@ class Runner:
     # -- the probe -------------------------------------------------------------------------
     def ensure_probe(self, image: str, ws: Workspace, policy: Policy) -> None:
         """Run the real layer-2 argv with ``true`` once per image/profile/engine; fail closed."""
+        memo = (image, policy.runtime.value, self.settings.state_dir)
+        if _PROBED.get(memo, 0.0) > time.monotonic():
+            return
         profile = resources.seccomp_profile_path().read_bytes()
         image_id = engine_retry(self.api.inspect_image)(image)["Id"]
         key = hashlib.sha256(
@@ -278,6 +281,7 @@ class Runner:
         ).hexdigest()[:24]
         marker = self.settings.state_dir / "probes" / key
         if marker.exists():
+            _PROBED[memo] = time.monotonic() + 60.0
             return
         err = bytearray()
         result = self._run_container(["true"], ws, "probe", image, policy, 60.0, _discard, err.extend, kind="probe")
@@ -394,16 +398,19 @@ class Runner:
                     timer = threading.Timer(timeout, _expire, (timed_out, cancel))
                     timer.daemon = True
                     timer.start()
-                watch = CgroupWatch(int(api.inspect_container(container_id)["State"].get("Pid") or 0))
+                cid = container_id
+                watch = CgroupWatch.for_container(cid, lambda: int(api.inspect_container(cid)["State"].get("Pid") or 0))
                 cap = OutputCap(policy.resources.max_output, stderr)
                 # Every byte that leaves the sandbox passes the scrubber (secrets split across
                 # chunks included), then the output cap.
                 scrubber = enforce.make_scrubber(layer2.env.known_secrets)
                 scrub_out, scrub_err = scrubber.stream(), scrubber.stream()
+                seen = Counters()
                 for out, err in _with_idle_ticks(stream, IDLE_RELEASE_S):
                     if cancel.fired or timed_out.is_set():
                         continue  # keep draining: the engine only finishes a kill once it is read
                     if out is None and err is None:  # idle: release what the scrubbers hold back
+                        seen = watch.read()  # the cgroup goes with the container: read it while it lives
                         if held := cap.take(scrub_out.release()):
                             stdout(held)
                         if held := cap.take(scrub_err.release()):
@@ -422,7 +429,12 @@ class Runner:
                 exit_code = int(api.wait(container_id)["StatusCode"])
                 if cancel.fired and not timed_out.is_set():
                     raise _Cancelled
-                counters = watch.read()
+                now = watch.read()
+                counters = Counters(max(now.pids_max_hits, seen.pids_max_hits), max(now.oom_kills, seen.oom_kills))
+                if exit_code == 128 + signal.SIGKILL and not timed_out.is_set() and not counters.oom_kills:
+                    # A run's container is its own: the engine's OOM flag is exact for it.
+                    oom = api.inspect_container(container_id)["State"].get("OOMKilled")
+                    counters = Counters(counters.pids_max_hits, 1 if oom else 0)
                 if timed_out.is_set():
                     # A fork or thread bomb ends by the timeout; the pids limit is what it ran into.
                     cause = ExitCause.PIDS_LIMIT if counters.pids_max_hits else ExitCause.TIMEOUT
@@ -483,6 +495,7 @@ class _Cancelled(Exception):
 
 
 IDLE_RELEASE_S = 0.05
+_PROBED: dict[tuple[str, str, Path], float] = {}  # probe results remembered for a minute
 
 
 def _with_idle_ticks(

@@ -220,3 +220,37 @@ def test_sigterm_to_sandman_with_a_blocked_stdout_still_cleans_up(
         os.close(read_end)
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize(
+    ("args", "script", "cause"),
+    [
+        (["--pids", "64", "--timeout", "5"], "f(){ f | f & }; f; sleep 60", "pids-limit"),
+        (["--memory", "256m"], "python3 -c 'a = []\nwhile True: a.append(bytearray(32 << 20))'", "oom"),
+        ([], "dd if=/dev/zero of=/tmp/fill bs=1M count=1000", "disk-full"),
+    ],
+)
+def test_sandman_run_names_the_cause(
+    engine: object, agent_image: str, workspace: Path, cli_env: dict[str, str], args: list[str], script: str, cause: str
+) -> None:
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sandman",
+            "run",
+            "--workspace",
+            str(workspace),
+            "--json",
+            *args,
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert json.loads(res.stdout.strip().splitlines()[-1])["cause"] == cause, res.stdout[-300:]
