@@ -22,7 +22,6 @@ from sandman.policy import Resources, Runtime
 if TYPE_CHECKING:
     import docker
 
-LABEL_PREFIX = "io.sandman."
 LABEL_SESSION = "io.sandman.session"
 LABEL_CAMPAIGN = "io.sandman.campaign"
 LABEL_VERSION = "io.sandman.version"

@@ -53,9 +53,3 @@ class SandboxError(SandmanError):
     """The sandbox could not be started (bubblewrap probe failed, container refused, ...)."""
 
     exit_code = 71
-
-
-class CommandNotFound(SandmanError):
-    """The command does not exist in the image."""
-
-    exit_code = 127

@@ -14,7 +14,6 @@ import contextlib
 import fnmatch
 import os
 import re
-import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -301,7 +300,3 @@ def available_helpers(policy: Policy, settings: Settings) -> dict[str, Helper]:
             )
         helpers[name] = ExternalHelper(name, path, raw, settings)
     return helpers
-
-
-def git_available() -> bool:
-    return shutil.which("git") is not None

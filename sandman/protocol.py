@@ -60,7 +60,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     while n:
         chunk = sock.recv(min(n, 1 << 20))
         if not chunk:
-            raise ConnectionError("controller closed the connection")
+            raise ConnectionError("the other end closed the connection")
         chunks.append(chunk)
         n -= len(chunk)
     return b"".join(chunks)

@@ -27,8 +27,14 @@ from sandman.settings import Settings
 from sandman.state import StateStore
 from sandman.workspace import Workspace
 
-UPCALL_DIR = "upcall"
-UPCALL_SOCK = "upcall.sock"
+UPCALL_DIR = "upcall"  # in the session's runtime dir; bound (as a directory) into both layers
+
+
+def upcall_socket(runtime_dir: str | os.PathLike[str]) -> Path:
+    """The relay's socket on the host, for a session's runtime dir."""
+    return Path(runtime_dir) / UPCALL_DIR / "upcall.sock"
+
+
 MAX_FRAME = 1 << 20  # one request line
 IDLE_READ_S = 60.0  # a connection that sends nothing for this long is closed
 CALL_TIMEOUT_S = 120.0
@@ -85,7 +91,6 @@ class Relay:
         # Upcall arguments are the one channel out of the sandbox: a credential in them blocks the call.
         self.leak_check = make_scrubber({n: v.get_secret_value() for n, v in ctx.settings.secrets.items()})
         self.state = StateStore(ctx.settings.state_dir, scrub=self.scrub)
-        self.calls = 0
         # PRs this session created survive a relay restart: they are in the audit log.
         for event in self.state.events(session=ctx.session_id):
             if event.event == "gh.pr_created":
@@ -214,7 +219,6 @@ class Relay:
             self.ctx.created_prs,
             record=lambda event, **detail: self.state.audit(self.ctx.session_id, event, "ok", **detail),
         )
-        self.calls += 1
         try:
             result: HelperResult = await asyncio.wait_for(helper.run(args, stdin, hctx), CALL_TIMEOUT_S)
         except HelperError as exc:

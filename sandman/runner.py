@@ -30,7 +30,7 @@ from sandman.engine import ContainerSpec, connect, container_kwargs, engine_retr
 from sandman.errors import SandboxError, SandmanError, UsageError, WorkspaceError
 from sandman.image import ImageManager, Progress, load_campaign
 from sandman.policy import Policy, effective_policy
-from sandman.relay import RelayContext, RelayHost
+from sandman.relay import UPCALL_DIR, RelayContext, RelayHost, upcall_socket
 from sandman.settings import Settings
 from sandman.state import SessionRecord, SessionState, StateStore
 from sandman.workspace import Workspace, resolve_workspace
@@ -161,11 +161,11 @@ def make_runtime_dir(settings: Settings, session_id: str, ws: Workspace) -> Path
     root.mkdir(parents=True, exist_ok=True, mode=0o711)
     path = root / session_id
     path.mkdir(mode=0o700)
-    (path / "upcall").mkdir(mode=0o700)  # the relay's socket dir, bound into both layers
+    (path / UPCALL_DIR).mkdir(mode=0o700)  # the relay's socket dir, bound into both layers
     (path / "empty").touch(mode=0o444)  # what denied files read as inside layer 2
     if os.geteuid() == 0:
         os.chown(path, ws.uid, ws.gid)
-        os.chown(path / "upcall", ws.uid, ws.gid)
+        os.chown(path / UPCALL_DIR, ws.uid, ws.gid)
     elif os.geteuid() != ws.uid:
         path.rmdir()
         raise WorkspaceError(
@@ -473,8 +473,7 @@ class Runner:
         if not policy.upcalls.helpers:
             return None
         host = RelayHost.shared()
-        sock = runtime_dir / "upcall" / "upcall.sock"
-        host.start(RelayContext(session_id, campaign, ws, policy, self.settings, sock))
+        host.start(RelayContext(session_id, campaign, ws, policy, self.settings, upcall_socket(runtime_dir)))
         return host
 
     def _kill(self, container_id: str) -> None:

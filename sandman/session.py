@@ -13,11 +13,10 @@ import json
 import os
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,8 @@ from sandman.engine import ContainerSpec, container_kwargs, engine_retry, state_
 from sandman.errors import SandboxError, SandmanError, UsageError
 from sandman.files import Files
 from sandman.policy import Policy
-from sandman.relay import RelayContext, RelayHost
+from sandman.protocol import HEADER, recv_exact
+from sandman.relay import RelayContext, RelayHost, upcall_socket
 from sandman.runner import TINI, ExitCause, Runner, classify_end, make_runtime_dir, new_session_id, process_start
 from sandman.scrub import Scrubber
 from sandman.settings import Settings
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 SUPERVISOR = "/usr/lib/sandman/supervisor.py"
 CONTROL_DIR = "control"
 CONTROL_SOCK = "ctl.sock"
-HEADER = struct.Struct(">cI")
 READY_TIMEOUT_S = 30.0
 IDLE_RELEASE_S = 0.05  # a stream quiet this long has its scrubber's held-back tail released
 EXIT_IDLE, EXIT_LIFETIME = 3, 4
@@ -85,28 +84,10 @@ class Output:
     data: bytes
 
 
-@dataclass
-class _Limits:
-    cpus: float
-    memory: int
-    pids: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def owner_alive(pid: int | None, start: float | None) -> bool:
     if pid is None:
         return True  # not owned by a process: lives until stopped or expired
     return process_start(pid) == start
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the session supervisor closed the connection")
-        buf += chunk
-    return bytes(buf)
 
 
 class Sandbox:
@@ -221,7 +202,6 @@ class Sandbox:
             extra_labels=labels,
         )
         kwargs = container_kwargs(spec)
-        limits = _Limits(res.cpus, res.memory, res.pids, {"campaign_env": self._campaign_env})
         now = time.time()
         rec = SessionRecord(
             id=session_id,
@@ -238,7 +218,9 @@ class Sandbox:
             pool=None,
             uid=self.workspace.uid,
             gid=self.workspace.gid,
-            limits=json.dumps({"cpus": limits.cpus, "memory": limits.memory, "pids": limits.pids, **limits.extra}),
+            limits=json.dumps(
+                {"cpus": res.cpus, "memory": res.memory, "pids": res.pids, "campaign_env": self._campaign_env}
+            ),
             created=now,
             last_used=now,
             policy=self.policy.model_dump_json(),
@@ -306,8 +288,8 @@ class Sandbox:
             sock.settimeout(10)
             sock.connect(str(path or self._sock_path))
             sock.sendall(json.dumps(request).encode() + b"\n")
-            _kind, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
-            result: dict[str, Any] = json.loads(_recv_exact(sock, length))
+            _kind, length = HEADER.unpack(recv_exact(sock, HEADER.size))
+            result: dict[str, Any] = json.loads(recv_exact(sock, length))
             return result
 
     def close(self) -> None:
@@ -315,7 +297,7 @@ class Sandbox:
         self._teardown(self.record, SessionState.STOPPED, "closed")
 
     def _upcall_sock(self, rec: SessionRecord) -> Path:
-        return Path(rec.runtime_dir) / "upcall" / "upcall.sock"
+        return upcall_socket(rec.runtime_dir)
 
     def _relay_context(self, rec: SessionRecord) -> RelayContext:
         return RelayContext(rec.id, rec.campaign, self.workspace, self.policy, self.settings, self._upcall_sock(rec))
@@ -465,8 +447,8 @@ class Sandbox:
                             yield Output(name, held)
                     continue
                 try:
-                    kind, length = HEADER.unpack(_recv_exact(sock, HEADER.size))
-                    payload = _recv_exact(sock, length)
+                    kind, length = HEADER.unpack(recv_exact(sock, HEADER.size))
+                    payload = recv_exact(sock, length)
                 except ConnectionError:
                     raise SessionGone(f"session {self.id} stopped during the exec") from None
                 if kind == b"r":  # the scrubbers hold back what could start a secret: flush them

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sandman import verify_probes
+from sandman.relay import upcall_socket
 
 if TYPE_CHECKING:
     import docker
@@ -238,7 +239,7 @@ def run_battery(
             "host_port": host_listener_port,
             "host_addresses": _bridge_gateways(sandbox.api),
             "host_workspace": str(sandbox.workspace.path),
-            "host_upcall": str(Path(sandbox.record.runtime_dir) / "upcall"),
+            "host_upcall": str(upcall_socket(sandbox.record.runtime_dir).parent),
             "salt": salt,
             # Never the values: an agent sharing the session could read the probe's memory.
             "secrets": {k: [len(v.encode()), verify_probes.digest(salt, v.encode())] for k, v in secrets.items()},

@@ -20,10 +20,6 @@ class Workspace:
     uid: int
     gid: int
 
-    @property
-    def default_campaign(self) -> str:
-        return campaign_slug(self.path.name)
-
 
 def campaign_slug(name: str) -> str:
     slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower()).strip("-._")

@@ -9,6 +9,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,6 +114,16 @@ def sandman(
 def sandman_containers(engine: object, session: str | None = None) -> list[dict[str, object]]:
     label = "io.sandman.session" + (f"={session}" if session else "")
     return engine.containers(all=True, filters={"label": label})  # type: ignore[attr-defined,no-any-return]
+
+
+def workspace_containers(engine: object, workspace: Path, *, all_: bool = True) -> list[dict[str, Any]]:
+    """Sandman containers whose workspace mount is ``workspace``: the ones a test started, even
+    when other tests run sandboxes at the same time."""
+    return [
+        c
+        for c in engine.containers(all=all_, filters={"label": "io.sandman.session"})  # type: ignore[attr-defined]
+        if any(m.get("Source") == str(workspace) for m in c.get("Mounts") or [])
+    ]
 
 
 @pytest.fixture

@@ -221,7 +221,9 @@ class SandmanContainer(DockerContainer):
 
     def get_upcall_socket_path(self) -> str:
         """The relay's socket on the host (inside the sandbox: /run/sandman/upcall/upcall.sock)."""
-        return str(Path(self.sandbox.record.runtime_dir) / "upcall" / "upcall.sock")
+        from sandman.relay import upcall_socket
+
+        return str(upcall_socket(self.sandbox.record.runtime_dir))
 
 
 def _close_quietly(sandbox: Sandbox, scratch: Path | None) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SANDMAN, make_workspace, sandman
+from tests.conftest import SANDMAN, make_workspace, sandman, workspace_containers
 
 pytestmark = pytest.mark.docker
 
@@ -155,11 +155,7 @@ def test_injected_secret_reaches_the_command_and_nowhere_else(
     deadline = time.monotonic() + 60
     while not (secrets_ws / "ready").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    live = [
-        c
-        for c in engine.containers(filters={"label": "io.sandman.session"})  # type: ignore[attr-defined]
-        if any(m.get("Source") == str(secrets_ws) for m in c["Mounts"])
-    ]
+    live = workspace_containers(engine, secrets_ws, all_=False)
     assert live
     inspect = json.dumps(engine.inspect_container(live[0]["Id"]))  # type: ignore[attr-defined]
     out, err = proc.communicate(timeout=60)

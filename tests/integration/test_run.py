@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SANDMAN, sandman, sandman_containers
+from tests.conftest import SANDMAN, sandman, sandman_containers, workspace_containers
 
 pytestmark = pytest.mark.docker
 
@@ -171,12 +171,7 @@ def test_timeout_kills_the_whole_tree_and_leaves_no_container(
 
 
 def mine(engine: object, workspace: Path) -> set[str]:
-    """Sandman containers of this test's workspace (other tests may run sandboxes meanwhile)."""
-    return {
-        str(c["Id"])
-        for c in sandman_containers(engine)
-        if any(m.get("Source") == str(workspace) for m in c.get("Mounts") or [])  # type: ignore[attr-defined,union-attr]
-    }
+    return {str(c["Id"]) for c in workspace_containers(engine, workspace)}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
@@ -247,11 +242,7 @@ def test_docker_inspect_of_a_live_sandbox_shows_the_hardening(
         deadline = time.monotonic() + 60
         while not (workspace / "ready").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        [c] = [
-            c
-            for c in sandman_containers(engine)
-            if c["Mounts"] and any(m.get("Source") == str(workspace) for m in c["Mounts"])
-        ]  # type: ignore[union-attr,attr-defined]
+        [c] = workspace_containers(engine, workspace)
         info = engine.inspect_container(c["Id"])  # type: ignore[attr-defined]
         hc = info["HostConfig"]
         assert hc["NetworkMode"] == "none"

@@ -16,8 +16,9 @@ pytestmark = pytest.mark.docker
 FAKE_KEY = "ghp_" + "Zx9Yw8Vu7Ts6Rq5Po4Nm3Lk2Ji1Hg0FeDcBa"  # shaped like a GitHub token, not a real one
 
 
-def test_run_output_shows_only_redactions(engine: object, agent_image: str, workspace: Path,
-                                          cli_env: dict[str, str], tmp_path: Path) -> None:
+def test_run_output_shows_only_redactions(
+    engine: object, agent_image: str, workspace: Path, cli_env: dict[str, str], tmp_path: Path
+) -> None:
     value = "s3cr3t-" + os.urandom(10).hex()
     policy = tmp_path / "p.toml"
     policy.write_text('[secrets]\ninject = ["DEMO_TOKEN"]\n')
@@ -41,8 +42,9 @@ def test_run_output_shows_only_redactions(engine: object, agent_image: str, work
     assert "[REDACTED:DEMO_TOKEN] on stderr" in res.stderr
 
 
-def test_session_exec_output_and_audit_are_scrubbed(engine: object, agent_image: str, workspace: Path,
-                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_session_exec_output_and_audit_are_scrubbed(
+    engine: object, agent_image: str, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from sandman.session import Sandbox
     from sandman.settings import Settings
     from sandman.state import StateStore

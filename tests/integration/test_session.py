@@ -262,21 +262,33 @@ def test_files_api_is_path_validated(sb: Sandbox, workspace: Path, settings: Set
     assert sum(1 for e in events if e.event == "path.refused") == 5
 
 
-def test_a_cli_sessions_relay_survives_its_controller(engine: object, agent_image: str, workspace: Path,
-                                                      tmp_path: Path, cli_env: dict[str, str]) -> None:
+def test_a_cli_sessions_relay_survives_its_controller(
+    engine: object, agent_image: str, workspace: Path, tmp_path: Path, cli_env: dict[str, str]
+) -> None:
     import signal as _signal
 
     policy = tmp_path / "upcalls.toml"
     policy.write_text("[upcalls.helpers.noop]\n")
     env = dict(cli_env)
-    created = subprocess.run([*SANDMAN, "session", "create", "-w", str(workspace), "--policy", str(policy)],
-                             env=env, capture_output=True, text=True, timeout=120)
+    created = subprocess.run(
+        [*SANDMAN, "session", "create", "-w", str(workspace), "--policy", str(policy)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     sid = created.stdout.strip()
     assert created.returncode == 0 and sid.startswith("sm-"), created.stderr
     try:
+
         def upcall() -> subprocess.CompletedProcess[str]:
-            return subprocess.run([*SANDMAN, "session", "exec", sid, "--", "sandman-upcall", "noop", "alive"],
-                                  env=env, capture_output=True, text=True, timeout=120)
+            return subprocess.run(
+                [*SANDMAN, "session", "exec", sid, "--", "sandman-upcall", "noop", "alive"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
 
         assert upcall().stdout == "alive\n"
         # Kill the controller that hosts the relay (SIGKILL: no goodbye); the sandbox stays up.

@@ -19,6 +19,7 @@ from sandman.policy import load_policy
 from sandman.runner import ExitCause
 from sandman.session import Sandbox
 from sandman.settings import Settings
+from tests.conftest import workspace_containers
 
 pytestmark = pytest.mark.docker
 
@@ -150,11 +151,10 @@ def test_gigabytes_on_stdout_are_truncated_and_logs_stay_bounded(
         reader.start()
     biggest_log = 0
     while proc.poll() is None:
-        for c in engine.containers(filters={"label": "io.sandman.kind=sandbox"}):  # type: ignore[attr-defined]
-            if any(m.get("Source") == str(workspace) for m in c["Mounts"]):
-                log = Path(engine.inspect_container(c["Id"])["LogPath"])  # type: ignore[attr-defined]
-                logs = [p.stat().st_size for p in log.parent.glob(log.name + "*") if p.exists()]
-                biggest_log = max(biggest_log, sum(logs))
+        for c in workspace_containers(engine, workspace, all_=False):
+            log = Path(engine.inspect_container(c["Id"])["LogPath"])  # type: ignore[attr-defined]
+            logs = [p.stat().st_size for p in log.parent.glob(log.name + "*") if p.exists()]
+            biggest_log = max(biggest_log, sum(logs))
         time.sleep(0.2)
     for reader in readers:
         reader.join(60)
@@ -204,11 +204,7 @@ def test_sigterm_to_sandman_with_a_blocked_stdout_still_cleans_up(
         while not (workspace / "started").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(1.0)  # let every buffer between the sandbox and the pipe fill up
-        mine = [
-            c["Id"]
-            for c in engine.containers(filters={"label": "io.sandman.kind=sandbox"})  # type: ignore[attr-defined]
-            if any(m.get("Source") == str(workspace) for m in c["Mounts"])
-        ]
+        mine = [c["Id"] for c in workspace_containers(engine, workspace, all_=False)]
         assert mine
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -13,6 +13,7 @@ import pytest
 
 import sandman.testing
 from sandman.testing import SandmanContainer
+from tests.conftest import workspace_containers
 
 pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,11 +107,7 @@ def test_hardening_equals_sandman_run(
         deadline = time.monotonic() + 60
         while not (workspace / "run-ready").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        [live] = [
-            c
-            for c in containers_with(engine, "io.sandman.kind=sandbox")
-            if any(m["Source"] == str(workspace) for m in c["Mounts"])
-        ]  # type: ignore[attr-defined,index,union-attr]
+        [live] = workspace_containers(engine, workspace)
         from_run = _hardening(engine.inspect_container(live["Id"]))  # type: ignore[attr-defined]
         with SandmanContainer(workspace) as box:
             from_tc = _hardening(box.get_wrapped_container().attrs)
