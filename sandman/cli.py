@@ -66,6 +66,16 @@ def json_option(f: F) -> F:
     return click.option("--json", "json_out", is_flag=True, help="Print JSON instead of text.")(f)
 
 
+def raw_option(f: F) -> F:
+    return click.option(
+        "--raw",
+        is_flag=True,
+        help="Write the command's output to a terminal unchanged, escape sequences included "
+        "(default: only text, \\n \\r \\t \\b and SGR colours pass; other control sequences are "
+        "printed inert, e.g. \\x1b[2J). Pipes, files and --json always get the bytes unchanged.",
+    )(f)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="sandman")
 def app() -> None:
@@ -85,6 +95,7 @@ def app() -> None:
 @click.option("--memory", help="Memory cap (memory+swap), e.g. 512m or 2g.")
 @click.option("--pids", type=click.IntRange(min=16), help="Maximum number of processes.")
 @click.option("--timeout", type=click.FloatRange(min=0.001), help="Seconds before the whole process tree is killed.")
+@raw_option
 @json_option
 def run(
     command: tuple[str, ...],
@@ -95,6 +106,7 @@ def run(
     memory: str | None,
     pids: int | None,
     timeout: float | None,
+    raw: bool,
     json_out: bool,
 ) -> None:
     """Run COMMAND in a fresh sandbox on WORKSPACE and exit with its exit code.
@@ -104,7 +116,11 @@ def run(
     stdout and stderr stream live and separately. With --json, one line of JSON follows the
     output: exit_code, cause (exit, timeout, oom, pids-limit, disk-full, killed, error), duration_s,
     session_id.
+
+    Output written to a terminal has its control sequences made inert (clipboard, title, screen
+    and cursor control are the operator's, not the command's); --raw turns that off.
     """
+    raw = raw or json_out  # --json output is for programs: the bytes as the command wrote them
     args = {
         "command": list(command),
         "workspace": os.path.abspath(workspace),
@@ -118,11 +134,11 @@ def run(
         "env": dict(os.environ),
     }
     if os.environ.get("SANDMAN_IN_PROCESS") == "1":
-        code, result, error = _run_in_process(args)
+        code, result, error = _run_in_process(args, raw)
     else:
         from sandman import client
 
-        code, result, error = client.run(args)
+        code, result, error = client.run(args, raw=raw)
     if error is not None:
         _say(f"error: {error}")
         result = {"exit_code": code, "cause": "error", "error": error, "duration_s": 0.0, "session_id": None}
@@ -137,17 +153,50 @@ def run(
     sys.exit(code)
 
 
-def _run_in_process(args: dict[str, Any]) -> tuple[int, dict[str, Any] | None, str | None]:
+def _run_in_process(args: dict[str, Any], raw: bool = False) -> tuple[int, dict[str, Any] | None, str | None]:
     from sandman.client import write_all
+    from sandman.terminal import for_fd, neutralize
+
+    held = {fd: for_fd(fd, raw) for fd in (1, 2)}
+
+    def sink(fd: int) -> Callable[[bytes], None]:
+        tty = held[fd]
+        if tty is None:
+            return lambda data: write_all(fd, data)
+        return lambda data: write_all(fd, tty.feed(data))
+
+    def progress(message: str) -> None:
+        if held[2] is not None:  # build output quoted in progress lines is the campaign's
+            message = neutralize(message.encode()).decode()
+        _progress(message)
+
+    try:
+        return _run_in_process_with(args, sink, progress)
+    finally:
+        _flush_held(held)
+
+
+def _flush_held(held: dict[int, Any]) -> None:
+    """Write what the terminal neutralizers still hold (an unfinished sequence), made inert."""
+    import contextlib
+
+    from sandman.client import write_all
+
+    for fd, tty in held.items():
+        if tty is not None:
+            with contextlib.suppress(OSError):
+                write_all(fd, tty.flush())
+
+
+def _run_in_process_with(
+    args: dict[str, Any], sink: Callable[[int], Callable[[bytes], None]], progress: Callable[[str], None]
+) -> tuple[int, dict[str, Any] | None, str | None]:
     from sandman.policy import cli_size
     from sandman.runner import Runner
     from sandman.workspace import resolve_workspace
 
-    def sink(fd: int) -> Callable[[bytes], None]:
-        return lambda data: write_all(fd, data)
-
     try:
-        runner = Runner(progress=_progress)
+        runner = Runner(progress=progress)
         ws = resolve_workspace(args["workspace"])
         pol = runner.policy(Path(args["policy"]) if args["policy"] else None, ws.path)
         mem = cli_size(args["memory"], "--memory") if args["memory"] else None
@@ -382,6 +431,7 @@ def session_create(workspace: Path, campaign: str | None, policy: str | None, js
 @click.option("--timeout", type=click.FloatRange(min=0.001), help="Seconds before the exec's tree is killed.")
 @click.option("--cwd", help="Working directory, relative to the workspace.")
 @click.option("--stdin", "with_stdin", is_flag=True, help="Forward this process's stdin to the command.")
+@raw_option
 @json_option
 def session_exec(
     session_id: str,
@@ -389,15 +439,20 @@ def session_exec(
     timeout: float | None,
     cwd: str | None,
     with_stdin: bool,
+    raw: bool,
     json_out: bool,
 ) -> None:
     """Run COMMAND in session SESSION_ID and exit with its exit code.
 
     Options go before --, the command after it:  sandman session exec ID --timeout 60 -- make test
+
+    Output written to a terminal has its control sequences made inert; --raw turns that off.
     """
     from sandman.client import write_all
     from sandman.session import ExecResult, Sandbox
+    from sandman.terminal import for_fd
 
+    held = {fd: for_fd(fd, raw or json_out) for fd in (1, 2)}
     try:
         if not command:
             raise UsageError("no command given: sandman session exec ID -- CMD")
@@ -408,9 +463,13 @@ def session_exec(
             if isinstance(item, ExecResult):
                 result = item
             else:
-                write_all(1 if item.stream == "stdout" else 2, item.data)
+                fd = 1 if item.stream == "stdout" else 2
+                tty = held[fd]
+                write_all(fd, tty.feed(item.data) if tty is not None else item.data)
     except SandmanError as exc:
+        _flush_held(held)
         _fail(exc)
+    _flush_held(held)
     assert result is not None
     if json_out:
         _emit(result.as_json(), compact=True)
@@ -421,7 +480,11 @@ def session_exec(
 @click.argument("session_id")
 @click.option("--shell", "shell_cmd", default="/bin/bash", show_default=True)
 def session_shell(session_id: str, shell_cmd: str) -> None:
-    """An interactive shell in SESSION_ID (a pseudo-terminal inside both layers)."""
+    """An interactive shell in SESSION_ID (a pseudo-terminal inside both layers).
+
+    The shell drives your terminal directly: its output is NOT neutralized (unlike `run` and
+    `session exec`), so what runs in it can set your terminal's title, clipboard (OSC 52) or
+    screen. Use it only where you would accept that."""
     import shutil
     import termios
     import tty

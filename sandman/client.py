@@ -104,12 +104,20 @@ class _Interrupted(Exception):
     """Raised from the signal handler so a write blocked on a full stdout cannot hold us."""
 
 
-def run(args: dict[str, Any], progress: bool = True) -> tuple[int, dict[str, Any] | None, str | None]:
-    """Run through the controller. Returns (exit code, result object, error message)."""
+def run(
+    args: dict[str, Any], progress: bool = True, raw: bool = False
+) -> tuple[int, dict[str, Any] | None, str | None]:
+    """Run through the controller. Returns (exit code, result object, error message).
+
+    Output bound for a terminal is neutralized (``sandman.terminal``) unless ``raw``; pipes and
+    files get the bytes unchanged."""
     try:
         sock = connect()
     except ControllerUnavailable as exc:
         return 71, None, str(exc)
+    from sandman import terminal
+
+    tty_out, tty_err = terminal.for_fd(1, raw), terminal.for_fd(2, raw)
     cancelled: list[int] = []
 
     def cancel(signum: int) -> None:
@@ -134,6 +142,8 @@ def run(args: dict[str, Any], progress: bool = True) -> tuple[int, dict[str, Any
                 if kind == protocol.STDOUT:
                     try:
                         global last_stdout
+                        if tty_out is not None:
+                            payload = tty_out.feed(payload)
                         write_all(1, payload)
                         last_stdout = payload[-1:] or last_stdout
                     except BrokenPipeError:
@@ -141,9 +151,11 @@ def run(args: dict[str, Any], progress: bool = True) -> tuple[int, dict[str, Any
                         cancel(signal.SIGPIPE)
                 elif kind == protocol.STDERR:
                     with contextlib.suppress(BrokenPipeError):
-                        write_all(2, payload)
+                        write_all(2, tty_err.feed(payload) if tty_err is not None else payload)
                 elif kind == protocol.PROGRESS:
                     if progress:
+                        if tty_err is not None:  # may quote a campaign's build output
+                            payload = terminal.neutralize(payload)
                         with contextlib.suppress(OSError):
                             write_all(2, b"\xe2\x80\xba " + payload + b"\n")
                 elif kind == protocol.RESULT:
@@ -164,3 +176,8 @@ def run(args: dict[str, Any], progress: bool = True) -> tuple[int, dict[str, Any
         for s, h in previous.items():
             signal.signal(s, h)
         sock.close()
+        # What a neutralizer still holds (an unfinished escape or UTF-8 character), made inert.
+        for fd, held in ((1, tty_out), (2, tty_err)):
+            if held is not None and not cancelled:
+                with contextlib.suppress(OSError):
+                    write_all(fd, held.flush())
