@@ -1,8 +1,13 @@
 """Layer 2: the bubblewrap argv, built by one pure function, and the probe that classifies failures.
 
 The root is built up, not hidden down: read-only /usr, /etc and /sys, fresh /proc and /dev, the
-container's capped /tmp and HOME tmpfs, the workspace read-write, every namespace unshared,
-nested user namespaces disabled.
+container's capped /tmp and HOME tmpfs (or an exec's private directories in them), the workspace
+read-write, every namespace unshared, nested user namespaces disabled.
+
+No workspace path is ever a bind *source* by name: the agent writes the workspace, and
+bubblewrap follows symlinks. Pinned and read-only workspace paths are bound from descriptors the
+launcher opens without following symlinks (``/proc/self/fd/N``, see images/base/supervisor.py),
+and every guarded destination is re-checked inside the namespace by the exec shim.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ UPCALL_DIR = "/run/sandman/upcall"
 # fail to open, since bwrap's binds are nodev, and tools such as git treat that as fatal).
 EMPTY_FILE = "/run/sandman/empty"  # the relay's directory (never the socket file itself)
 ENV_FILE = "/run/sandman-env"  # where layer 2 sees the private env file; the shim reads, unsets
+GUARD_FD_BASE = 3  # keep in step with images/base/supervisor.py
+GUARD_PLACEHOLDER = "@SANDMAN_GUARD@"  # the launcher puts the checked parents' identities here
 
 
 @dataclass(frozen=True)
@@ -37,9 +44,31 @@ class BwrapSpec:
     ro_binds: Sequence[str] = (TOOLS_DIR, UPCALL_DIR)
     # Denied workspace paths: (container path, is_dir); files read as empty, dirs as an empty tmpfs.
     masks: Sequence[tuple[str, bool]] = ()
-    read_only: Sequence[str] = ()  # protected workspace paths, re-bound read-only
+    read_only: Sequence[str] = ()  # protected workspace paths, re-bound read-only (by descriptor)
+    pinned: Sequence[str] = ()  # workspace paths bound onto themselves read-write: cannot be renamed
     writable: Sequence[str] = ()  # extra paths bound read-write at the same place
     env_file: str | None = None  # container path of the private env file (secrets, passthrough)
+    tmp_source: str = "/tmp"  # the container dir shown as /tmp (an exec's private dir in sessions)
+    home_source: str = HOME  # the container dir shown as HOME
+
+    def bound(self) -> list[tuple[str, str]]:
+        """Workspace paths bound by descriptor, in bind order: (container path, "rw" | "ro")."""
+        return [(p, "rw") for p in self.pinned] + [(p, "ro") for p in self.read_only]
+
+
+def _rel(path: str, workspace: str) -> str:
+    if not path.startswith(workspace + "/"):
+        raise ValueError(f"{path!r} is not under {workspace}")
+    return path[len(workspace) + 1 :]
+
+
+def guard_request(spec: BwrapSpec) -> dict[str, object]:
+    """What the launcher must open (fd GUARD_FD_BASE + i, in ``bound()`` order) and check."""
+    return {
+        "workspace": spec.workspace,
+        "open": [[_rel(p, spec.workspace), kind] for p, kind in spec.bound()],
+        "check": [[_rel(p, spec.workspace), "mask"] for p, _ in spec.masks],
+    }
 
 
 def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -69,14 +98,14 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
         "--ro-bind", "/sys", "/sys",
         "--proc", "/proc",
         "--dev", "/dev",
-        "--bind", "/tmp", "/tmp",
-        "--bind", spec.home, spec.home,
+        "--bind", spec.tmp_source, "/tmp",
+        "--bind", spec.home_source, spec.home,
         "--bind", spec.workspace, spec.workspace,
     ]  # fmt: skip
+    for i, (path, kind) in enumerate(spec.bound()):
+        argv += ["--bind" if kind == "rw" else "--ro-bind", f"/proc/self/fd/{GUARD_FD_BASE + i}", path]
     for path, is_dir in spec.masks:
         argv += ["--tmpfs", path, "--remount-ro", path] if is_dir else ["--ro-bind", EMPTY_FILE, path]
-    for path in spec.read_only:
-        argv += ["--ro-bind", path, path]
     for path in spec.writable:
         argv += ["--bind", path, path]
     for path in spec.ro_binds:
@@ -88,6 +117,8 @@ def bwrap_argv(spec: BwrapSpec) -> list[str]:
     env = dict(spec.env)
     if spec.env_file:
         env["SANDMAN_ENV_FILE"] = ENV_FILE
+    if spec.masks or spec.read_only or spec.pinned:
+        env["SANDMAN_GUARD"] = GUARD_PLACEHOLDER
     for key, value in sorted(env.items()):
         argv += ["--setenv", key, value]
     argv += ["--", SANDBOX_EXEC, *spec.command]

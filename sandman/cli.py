@@ -66,6 +66,15 @@ def json_option(f: F) -> F:
     return click.option("--json", "json_out", is_flag=True, help="Print JSON instead of text.")(f)
 
 
+def accept_campaign_option(f: F) -> F:
+    return click.option(
+        "--accept-campaign",
+        is_flag=True,
+        help="Accept a changed .sandman/ (image.toml, policy.toml) of the workspace; review it first "
+        "with `sandman campaign accept --dry-run`.",
+    )(f)
+
+
 def raw_option(f: F) -> F:
     return click.option(
         "--raw",
@@ -95,6 +104,7 @@ def app() -> None:
 @click.option("--memory", help="Memory cap (memory+swap), e.g. 512m or 2g.")
 @click.option("--pids", type=click.IntRange(min=16), help="Maximum number of processes.")
 @click.option("--timeout", type=click.FloatRange(min=0.001), help="Seconds before the whole process tree is killed.")
+@accept_campaign_option
 @raw_option
 @json_option
 def run(
@@ -106,6 +116,7 @@ def run(
     memory: str | None,
     pids: int | None,
     timeout: float | None,
+    accept_campaign: bool,
     raw: bool,
     json_out: bool,
 ) -> None:
@@ -130,6 +141,7 @@ def run(
         "memory": memory,
         "pids": pids,
         "timeout": timeout,
+        "accept_campaign": accept_campaign,
         # The policy's passthrough variables come from the caller's environment, not the controller's.
         "env": dict(os.environ),
     }
@@ -198,6 +210,7 @@ def _run_in_process_with(
     try:
         runner = Runner(progress=progress)
         ws = resolve_workspace(args["workspace"])
+        runner.check_campaign(ws.path, bool(args.get("accept_campaign")))
         pol = runner.policy(Path(args["policy"]) if args["policy"] else None, ws.path)
         mem = cli_size(args["memory"], "--memory") if args["memory"] else None
         pol = pol.with_resources(cpus=args["cpus"], memory=mem, pids=args["pids"])
@@ -409,14 +422,24 @@ def session() -> None:
 @workspace_option()
 @click.option("--campaign", help="Campaign name.")
 @click.option("--policy", help="Policy name (default, strict) or file.")
+@accept_campaign_option
 @json_option
-def session_create(workspace: Path, campaign: str | None, policy: str | None, json_out: bool) -> None:
+def session_create(
+    workspace: Path, campaign: str | None, policy: str | None, accept_campaign: bool, json_out: bool
+) -> None:
     """Start a session; print its id. It lives until stopped or its idle/lifetime limit."""
     from sandman.session import Sandbox
 
     try:
         _reconcile_quietly()
-        sb = Sandbox(workspace, policy=policy, campaign=campaign, progress=_progress, owned=False)
+        sb = Sandbox(
+            workspace,
+            policy=policy,
+            campaign=campaign,
+            progress=_progress,
+            owned=False,
+            accept_campaign=accept_campaign,
+        )
     except SandmanError as exc:
         _fail(exc)
     if json_out:
@@ -980,6 +1003,117 @@ def config_show(json_out: bool) -> None:
     width = max(len(v.name) for v in views)
     for v in views:
         click.echo(f"{v.name:<{width}}  {v.value}   [{v.source}]")
+
+
+@app.group("campaign")
+def campaign_group() -> None:
+    """A workspace's campaign (.sandman/): what sandman last built or accepted from it."""
+
+
+@campaign_group.command("accept")
+@workspace_option()
+@click.option("--dry-run", is_flag=True, help="Show the change without accepting it.")
+@json_option
+def campaign_accept(workspace: Path, dry_run: bool, json_out: bool) -> None:
+    """Accept the workspace's current .sandman/ files after showing how they changed.
+
+    The sandbox can write the workspace, so a changed image.toml or policy.toml is refused until
+    the operator accepts it here (or with --accept-campaign)."""
+    from sandman import campaign
+    from sandman.settings import Settings
+    from sandman.workspace import resolve_workspace
+
+    try:
+        settings = Settings.load()
+        ws = resolve_workspace(workspace)
+        now = campaign.snapshot(ws.path)
+        before = campaign.accepted(settings.state_dir, ws.path) or campaign.Snapshot({})
+    except SandmanError as exc:
+        _fail(exc)
+    changed = before.digest != now.digest
+    text = campaign.diff(before, now)
+    if not dry_run and changed:
+        campaign.record(settings.state_dir, ws.path, now)
+        from sandman.state import StateStore
+
+        store = StateStore(settings.state_dir)
+        store.audit(None, "campaign.accepted", workspace=str(ws.path), digest=now.digest[:16], files=sorted(now.files))
+        store.close()
+    if json_out:
+        _emit({"workspace": str(ws.path), "changed": changed, "accepted": changed and not dry_run, "diff": text})
+        return
+    if not changed:
+        click.echo(f"{ws.path}: the campaign files are as last accepted; nothing to do")
+        return
+    sys.stdout.write(text)
+    click.echo(("would accept" if dry_run else "accepted") + f" the campaign files of {ws.path}")
+
+
+@app.command("inspect")
+@workspace_option("Workspace to inspect (read only; git is never run on it).")
+@click.option(
+    "--quarantine",
+    "do_quarantine",
+    is_flag=True,
+    help="Move every flagged file (whole config files, hooks, .git files, pointers) to "
+    "<state_dir>/quarantine/inspect-<time>/ with a manifest.",
+)
+@json_option
+def inspect_workspace(workspace: Path, do_quarantine: bool, json_out: bool) -> None:
+    """Find what would make your own git, editor or shell run code an agent left in WORKSPACE.
+
+    Looks for git config keys that run commands (core.fsmonitor, alias.x = !cmd, filters,
+    pagers, hooksPath...) in every config git could read (.git/config, `.git` files, commondir,
+    modules, worktrees, nested repositories, includes), hooks, `.git` renamed away, and
+    editor auto-run files. Prints `path: key = value (why)`; exits 65 when anything is found, 0
+    when nothing is. Without a baseline, your own hooks and submodule `.git` files are reported too.
+    """
+    import contextlib
+    import time
+
+    from sandman import poison
+    from sandman.errors import WorkspaceError
+
+    ws = Path(os.path.abspath(workspace))
+    if not ws.is_dir():
+        _fail(WorkspaceError(f"workspace {str(workspace)!r} is not a directory: pass the project's directory"))
+    findings = poison.scan_workspace(ws)
+    moved: dict[str, str] = {}
+    report: poison.QuarantineReport | None = None
+    if do_quarantine and findings:
+        from sandman.settings import Settings
+
+        try:
+            settings = Settings.load()
+            dest = poison.quarantine_dir(settings.state_dir, f"inspect-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+            report = poison.quarantine(ws, findings, dest)
+        except SandmanError as exc:
+            _fail(exc)
+        except OSError as exc:
+            _fail(SandmanError(f"cannot quarantine into the state dir: {exc.strerror or exc}"))
+        moved = {f.path: f.dest or "" for f in report.moved}
+        with contextlib.suppress(Exception):
+            from sandman.state import StateStore
+
+            store = StateStore(settings.state_dir)
+            poison.audit(store, None, findings, report)
+            store.close()
+    if json_out:
+        rows = [f.model_dump() for f in findings]
+        if do_quarantine:
+            for row in rows:
+                row["quarantined"] = moved.get(row["path"])
+        _emit(rows)
+    else:
+        for f in findings:
+            click.echo(f.line())
+        click.echo(f"{len(findings)} finding(s) in {ws}", err=True)
+    if report is not None:
+        _say(f"quarantined {len(report.moved)} file(s) to {report.dest_dir} (manifest: {report.manifest})")
+        for q in report.files:
+            if q.method == "failed":
+                _say(f"could not quarantine {q.path}: {q.error}")
+    sys.exit(poison.EXIT_FOUND if findings else 0)
 
 
 def main() -> None:

@@ -158,6 +158,7 @@ class Handler(socketserver.StreamRequestHandler):
             settings = Settings.load()
             runner = self._runner(settings, lambda msg: send(protocol.PROGRESS, msg.encode()))
             ws = resolve_workspace(args.get("workspace") or ".")
+            runner.check_campaign(ws.path, bool(args.get("accept_campaign")))
             policy = runner.policy(Path(args["policy"]) if args.get("policy") else None, ws.path)
             memory = args.get("memory")
             policy = policy.with_resources(

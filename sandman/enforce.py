@@ -16,7 +16,7 @@ from sandman import bwrap
 from sandman.commands import check_command
 from sandman.envpolicy import build_env, refusal
 from sandman.errors import ConfigError, UsageError
-from sandman.paths import DenyScan, PathDenied, denied_by, find_denied, validate_path
+from sandman.paths import DEFAULT_PROTECTED, PathDenied, WorkspaceScanner, denied_by, validate_path
 from sandman.policy import Policy
 from sandman.scrub import EXAMPLE_KEYS, Scrubber
 from sandman.settings import Settings
@@ -38,6 +38,8 @@ class Masks:
     hidden: tuple[tuple[str, bool], ...] = ()  # (path, is_dir)
     read_only: tuple[str, ...] = ()
     scanned: int = 0
+    pinned: tuple[str, ...] = ()  # bound onto themselves: cannot be renamed or replaced inside
+    warnings: tuple[str, ...] = ()  # said at start (e.g. denied files collapsed into a masked dir)
 
 
 @dataclass(frozen=True)
@@ -73,31 +75,92 @@ def _to_container(ws: Workspace, real: Path) -> str:
     return str(Path(bwrap.WORKSPACE) / real.relative_to(ws.path)) if real != ws.path else bwrap.WORKSPACE
 
 
-def scan_masks(ws: Workspace, policy: Policy) -> Masks:
-    """Every denied path that exists now (hidden in layer 2) and the protected ones (read-only)."""
+def workspace_scanner(ws: Workspace, policy: Policy) -> WorkspaceScanner:
+    """The incremental scanner for ``scan_masks`` (keep one per session: rescans are cheap)."""
     fs = policy.filesystem
-    scan: DenyScan = find_denied(ws.path, fs.deny, fs.allow, limit=max(fs.max_masks * 50, 20000))
-    hidden = []
-    for denied in scan.paths:
-        if denied.path.is_symlink():
-            # A bind over a symlink would follow it: the link's content is its target's, and a
-            # target inside the workspace is masked under its own name when it is denied.
-            continue
-        hidden.append((_to_container(ws, denied.path), denied.is_dir))
-    if len(hidden) > fs.max_masks:
+    protected = list(dict.fromkeys([*fs.protected, *DEFAULT_PROTECTED]))  # a policy can only add
+    return WorkspaceScanner(ws.path, fs.deny, fs.allow, protected, limit=fs.scan_limit)
+
+
+def scan_masks(ws: Workspace, policy: Policy, scanner: WorkspaceScanner | None = None) -> Masks:
+    """Every denied path that exists now (hidden in layer 2), the protected ones (read-only) and
+    the pinned ones; fails closed, naming the path and the fix, on anything it cannot mask safely."""
+    fs = policy.filesystem
+    scan = (scanner or workspace_scanner(ws, policy)).scan()
+    if scan.truncated:
         raise ConfigError(
-            f"{ws.path}: {len(hidden)} paths match the deny list (filesystem.max_masks is {fs.max_masks}): "
-            "narrow filesystem.deny or raise filesystem.max_masks"
+            f"{ws.path}: the deny-list scan stopped after {scan.scanned} entries (filesystem.scan_limit is "
+            f"{fs.scan_limit}), so denied files could go unmasked: the sandbox does not start. Raise "
+            "filesystem.scan_limit, or run on a smaller workspace"
         )
-    hidden_set = {p for p, _ in hidden}
-    read_only = []
-    for rel in fs.protected:
-        real = ws.path / rel
-        if real.exists() and not real.is_symlink():
-            path = _to_container(ws, real)
-            if path not in hidden_set:
-                read_only.append(path)
-    return Masks(tuple(hidden), tuple(read_only), scan.scanned)
+    problems = []
+    for denied in scan.paths:
+        rel = denied.path.relative_to(ws.path).as_posix()
+        if denied.is_link:
+            problems.append(
+                f"{rel!r} is a symlink under a denied name (the host's next write of that file would land "
+                "where it points)"
+            )
+        elif denied.nlink > 1:
+            problems.append(f"{rel!r} has {denied.nlink} hard links (its content is readable under another name)")
+    for prot in scan.protected:
+        if prot.is_link:
+            rel = prot.path.relative_to(ws.path).as_posix()
+            problems.append(f"{rel!r} is protected (read-only inside) but is a symlink")
+    if problems:
+        raise PathDenied(
+            f"{ws.path}: "
+            + "; ".join(problems[:5])
+            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            + ": replace each with a plain file or directory (or remove it), then start again"
+        )
+    hidden = [(denied.path, denied.is_dir) for denied in scan.paths]
+    warnings: list[str] = []
+    if len(hidden) > fs.max_masks:
+        hidden, warnings = _collapse(ws, hidden, fs.max_masks)
+    hidden_paths = {p for p, _ in hidden}
+    read_only = [
+        _to_container(ws, prot.path)
+        for prot in scan.protected
+        if prot.path not in hidden_paths and not any(prot.path.is_relative_to(h) for h, d in hidden if d)
+    ]
+    return Masks(
+        tuple((_to_container(ws, p), is_dir) for p, is_dir in hidden),
+        tuple(sorted(read_only, key=lambda p: (p.count("/"), p))),
+        scan.scanned,
+        tuple(_to_container(ws, pin.path) for pin in scan.pinned),
+        tuple(warnings),
+    )
+
+
+def _collapse(ws: Workspace, hidden: list[tuple[Path, bool]], limit: int) -> tuple[list[tuple[Path, bool]], list[str]]:
+    """More denied paths than masks allowed: hide whole directories (the ones holding the most)
+    instead, so no number of planted files locks the workspace out, and none goes unmasked."""
+    by_parent: dict[Path, int] = {}
+    for path, _ in hidden:
+        by_parent[path.parent] = by_parent.get(path.parent, 0) + 1
+    collapsed: set[Path] = set()
+    count = len(hidden)
+    for parent, n in sorted(by_parent.items(), key=lambda kv: -kv[1]):
+        if count <= limit:
+            break
+        if parent == ws.path:
+            continue
+        collapsed.add(parent)
+        count -= n - 1
+    if count > limit:
+        raise ConfigError(
+            f"{ws.path}: {len(hidden)} paths match the deny list, more than filesystem.max_masks "
+            f"({limit}), even with whole directories hidden: move the denied files out of the workspace's "
+            "top directory, narrow filesystem.deny, or raise filesystem.max_masks"
+        )
+    kept = [(p, d) for p, d in hidden if p.parent not in collapsed]
+    kept += [(parent, True) for parent in sorted(collapsed)]
+    names = ", ".join(repr(p.relative_to(ws.path).as_posix()) for p in sorted(collapsed)[:5])
+    return kept, [
+        f"{len(hidden)} denied paths exceed filesystem.max_masks ({limit}): whole directories are hidden "
+        f"instead ({names}{', ...' if len(collapsed) > 5 else ''}); move the denied files or raise the limit"
+    ]
 
 
 def check_argv(argv: Sequence[str], policy: Policy, ws: Workspace) -> None:
@@ -196,26 +259,27 @@ def sandbox_env(
     return SandboxEnv(public, private, tuple(built.refused), known)
 
 
-def _sh_quote(value: str) -> str:
-    return "'" + value.replace("'", "'\\''") + "'"
-
-
 def write_env_file(runtime_dir: Path, ws: Workspace, values: Mapping[str, str]) -> tuple[Path, str]:
-    """A private, shell-sourceable file for the sandbox's exec shim: (host path, container path)."""
-    env_dir = runtime_dir / ENV_DIR
-    env_dir.mkdir(mode=0o700, exist_ok=True)
+    """A private file for the sandbox's exec shim (NUL-separated KEY, VALUE pairs): (host path,
+    container path).
+
+    It goes in the runtime dir's ``env`` directory, which only the host can write (the container
+    sees the runtime dir read-only): created beneath that directory's descriptor with O_EXCL and
+    O_NOFOLLOW, 0400, and handed to the sandbox uid with fchown, never by a path."""
+    for key, value in values.items():
+        if "\x00" in value or "\x00" in key:
+            raise UsageError(f"the value of {key} contains a NUL byte")
     name = f"{_secrets.token_hex(8)}.env"
-    host = env_dir / name
-    fd = os.open(host, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        for key, value in values.items():
-            if "\x00" in value:
-                raise UsageError(f"the value of {key} contains a NUL byte")
-            f.write(f"{key}={_sh_quote(value)}\n")
-    if os.geteuid() == 0:
-        os.chown(env_dir, ws.uid, ws.gid)
-        os.chown(host, ws.uid, ws.gid)
-    return host, f"/run/sandman/{ENV_DIR}/{name}"
+    dir_fd = os.open(runtime_dir / ENV_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o400, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "wb") as f:
+        if os.geteuid() == 0:
+            os.fchown(f.fileno(), ws.uid, ws.gid)
+        f.write(b"".join(os.fsencode(k) + b"\0" + os.fsencode(v) + b"\0" for k, v in values.items()))
+    return runtime_dir / ENV_DIR / name, f"/run/sandman/{ENV_DIR}/{name}"
 
 
 @dataclass(frozen=True)
@@ -227,15 +291,25 @@ class Layer2:
     cwd: str = bwrap.WORKSPACE
     writable: tuple[str, ...] = ()
 
-    def spec(self, command: Sequence[str], env_file: str | None) -> bwrap.BwrapSpec:
+    def spec(
+        self,
+        command: Sequence[str],
+        env_file: str | None,
+        private: tuple[str, str] | None = None,
+    ) -> bwrap.BwrapSpec:
+        """The bwrap spec; ``private``: the container dirs shown as /tmp and HOME for this exec."""
+        tmp, home = private or ("/tmp", bwrap.HOME)
         return bwrap.BwrapSpec(
             command=command,
             env=self.env.public,
             cwd=self.cwd,
             masks=self.masks.hidden,
             read_only=self.masks.read_only,
+            pinned=self.masks.pinned,
             writable=self.writable,
             env_file=env_file,
+            tmp_source=tmp,
+            home_source=home,
         )
 
 

@@ -29,6 +29,8 @@ LABEL_KIND = "io.sandman.kind"
 # Which state store owns the container: reconcile only ever reaps its own store's containers.
 LABEL_STATE = "io.sandman.state"
 RUNTIME_DIR_IN_CONTAINER = "/run/sandman"
+CONTROL_DIR_IN_CONTAINER = "/run/sandman/control"  # the one runtime subdir the container writes
+TRUSTED_DIR_IN_CONTAINER = "/usr/lib/sandman"  # supervisor, launcher, exec shim: sandman's, read-only
 LOG_MAX_SIZE = "10m"
 LOG_MAX_FILE = "2"
 
@@ -53,6 +55,9 @@ class ContainerSpec:
     kind: str = "sandbox"
     extra_mounts: Sequence[tuple[str, str, bool]] = ()  # (host source, target, read-only)
     extra_labels: Mapping[str, str] = field(default_factory=dict)  # e.g. testcontainers' session label
+    # Host dir of sandman's in-container programs, bound read-only over the image's copy: what runs
+    # in layer 1 and starts layer 2 is never the campaign image's to replace.
+    trusted_dir: str | None = None
 
 
 def state_id_for(state_dir: os.PathLike[str] | str) -> str:
@@ -107,12 +112,24 @@ def container_kwargs(spec: ContainerSpec) -> dict[str, Any]:
         "LogConfig": {"Type": "json-file", "Config": {"max-size": LOG_MAX_SIZE, "max-file": LOG_MAX_FILE}},
         "Mounts": [
             {"Target": WORKSPACE, "Source": spec.workspace, "Type": "bind", "ReadOnly": False},
+            # The runtime dir is the host's: read-only inside, except the supervisor's socket dir.
             {
                 "Target": RUNTIME_DIR_IN_CONTAINER,
                 "Source": spec.runtime_dir,
                 "Type": "bind",
+                "ReadOnly": True,
+            },
+            {
+                "Target": CONTROL_DIR_IN_CONTAINER,
+                "Source": os.path.join(spec.runtime_dir, "control"),
+                "Type": "bind",
                 "ReadOnly": False,
             },
+            *(
+                [{"Target": TRUSTED_DIR_IN_CONTAINER, "Source": spec.trusted_dir, "Type": "bind", "ReadOnly": True}]
+                if spec.trusted_dir
+                else []
+            ),
         ],
         "IpcMode": "private",
         "Runtime": spec.runtime.value,

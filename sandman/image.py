@@ -8,6 +8,7 @@ only those.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -46,6 +47,28 @@ _PIP_REQ = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?([<>=!
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 ENSURE_TTL_S = 60.0
 _ENSURED: dict[tuple[str, str, str, str], tuple[str, float]] = {}
+# What starts and carries the sandbox inside the container and must be exactly what sandman's base
+# image has, whatever a campaign layer ran as root: bubblewrap, tini, the Python that runs the
+# supervisor, the libraries they load, and no preload. (supervisor.py and the exec shim are not
+# here: they are bound read-only from the host over the image's copy.)
+TRUSTED_PATHS = (
+    "/usr/bin/bwrap",
+    "/usr/bin/tini",
+    "/usr/bin/python3",
+    "/usr/bin/python3.11",
+    "/etc/ld.so.preload",
+    "/lib64/ld-linux-x86-64.so.2",
+    "/lib/ld-linux-aarch64.so.1",
+    *(
+        f"/lib/{arch}-linux-gnu/{lib}"
+        for arch in ("x86_64", "aarch64")
+        for lib in (
+            "libc.so.6", "libm.so.6", "libz.so.1", "libexpat.so.1", "libselinux.so.1", "libcap.so.2",
+            "libpcre2-8.so.0",
+        )
+    ),
+)  # fmt: skip
+_VERIFIED: set[str] = set()
 
 
 def _quiet(_: str) -> None:
@@ -209,10 +232,13 @@ def _image_id(api: docker.APIClient, ref: str) -> str | None:
 class ImageManager:
     """Resolves and builds sandman's images on one engine."""
 
-    def __init__(self, api: docker.APIClient, base_image: str, offline_base_image: str) -> None:
+    def __init__(
+        self, api: docker.APIClient, base_image: str, offline_base_image: str, state_dir: Path | None = None
+    ) -> None:
         self.api = api
         self.base_image = base_image
         self.offline_base_image = offline_base_image
+        self.state_dir = state_dir  # where verified campaign images are remembered
 
     # -- the base image -------------------------------------------------------------------
     def resolve_base(self, progress: Progress = _quiet, allow_build: bool = True) -> str:
@@ -284,7 +310,59 @@ class ImageManager:
             progress(f"building campaign image {tag}")
             context = _context_tar({"Dockerfile": (campaign.spec.dockerfile(base_tag).encode(), 0o644)})
             self._build(context, tag, {LABEL_KIND: "campaign", LABEL_CAMPAIGN: campaign.name}, {}, progress)
+        self.verify_trusted(tag, base_tag)
         return tag
+
+    # -- sandman's trusted pieces ----------------------------------------------------------
+    def fingerprint(self, image: str) -> dict[str, str | None]:
+        """sha256 of each TRUSTED_PATHS entry in ``image`` (symlinks by target), read by the engine
+        from a created, never started container: nothing of the image runs."""
+        import docker.errors
+
+        cid = engine_retry(self.api.create_container)(
+            image, command=["true"], labels={LABEL_KIND: "verify"}, network_disabled=True
+        )["Id"]
+        prints: dict[str, str | None] = {}
+        try:
+            for path in TRUSTED_PATHS:
+                try:
+                    stream, _ = self.api.get_archive(cid, path)
+                except docker.errors.NotFound:
+                    prints[path] = None
+                    continue
+                with tarfile.open(fileobj=io.BytesIO(b"".join(stream)), mode="r:") as tar:
+                    member = tar.next()
+                    assert member is not None
+                    h = hashlib.sha256(f"{member.type!r} {member.mode:o} {member.linkname}".encode())
+                    data = tar.extractfile(member) if member.isfile() else None
+                    if data is not None:
+                        h.update(data.read())
+                    prints[path] = h.hexdigest()
+        finally:
+            with contextlib.suppress(docker.errors.APIError):
+                self.api.remove_container(cid, force=True)
+        return prints
+
+    def verify_trusted(self, image: str, base: str) -> None:
+        """Refuse a campaign image whose layers replaced any of sandman's trusted pieces; once per
+        image id (an image never changes), remembered under the state dir."""
+        image_id = _image_id(self.api, image) or image
+        marker = self.state_dir / "verified-images" / image_id.replace(":", "-") if self.state_dir else None
+        if image_id in _VERIFIED or (marker is not None and marker.exists()):
+            return
+        ours, theirs = self.fingerprint(base), self.fingerprint(image)
+        changed = [p for p in TRUSTED_PATHS if ours.get(p) != theirs.get(p)]
+        if changed:
+            raise ImageError(
+                f"campaign image {image} replaces sandman's trusted pieces ({', '.join(changed)}): "
+                "bubblewrap, tini, the supervisor's Python and their libraries must be exactly those of "
+                "sandman's base image, so nothing was started. Remove the image.toml lines that change "
+                "them (a dockerfile line, or a package upgrading them: pin it), then build again"
+            )
+        _VERIFIED.add(image_id)
+        if marker is not None:
+            marker.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            marker.touch()
 
     def _build_base(self, base_ref: str, tag: str, progress: Progress) -> None:
         progress(f"building sandman's agent image {tag} from {base_ref}")

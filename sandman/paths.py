@@ -4,7 +4,8 @@ It resolves symlinks before anything else, keeps the result inside the real work
 applies the deny list; ``find_denied`` lists what the sandbox must mask (a file or directory it
 must not see even though the workspace is mounted).
 
-Globs are gitignore-like and case-sensitive, matched against ``/``-separated paths relative to
+Globs are gitignore-like and case-insensitive (``.ENV`` and ``KEY.PEM`` are the same secrets on
+any filesystem an agent can copy them to), matched against ``/``-separated paths relative to
 the workspace root:
 
 - a pattern without ``/`` matches the name of a path component at any depth: ``.env``,
@@ -26,12 +27,13 @@ where it can; the mount layout, not this module, is what keeps the sandbox itsel
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
-from collections import deque
+import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import translate
 from functools import lru_cache
 from pathlib import Path
@@ -39,25 +41,69 @@ from typing import NamedTuple
 
 from sandman.errors import ConfigError, UsageError, WorkspaceError
 
+# Secrets by file name. The red team's list (keys, cloud and registry credentials, Terraform state)
+# cross-checked against public sensitive-file lists such as crashappsec/zero's
+# rag/devops/git-history-security/sensitive-files.md (environment files, .aws/credentials,
+# .docker/config.json, .kube/config, .npmrc, .pypirc, .netrc, .git-credentials, *.p12/*.pfx/*.jks,
+# *.tfstate, SSH private keys).
 DEFAULT_DENY: tuple[str, ...] = (
     ".env",
     ".env.*",
+    ".envrc",
     "**/credentials.json",
     "**/*secret*",
     "**/*password*",
     "**/*.pem",
     "**/*.key",
+    "**/*.p12",
+    "**/*.pfx",
+    "**/*.jks",
+    "**/*.keystore",
+    "**/*.ppk",
+    "**/*.tfstate",
+    "**/*.tfstate.*",
     ".ssh",
+    ".gnupg",
     "id_rsa",
+    "id_dsa",
+    "id_ecdsa",
     "id_ed25519",
+    "id_ecdsa_sk",
+    "id_ed25519_sk",
+    "**/.aws/credentials",
+    "**/.docker/config.json",
+    "**/.kube/config",
+    ".git-credentials",
+    ".npmrc",
+    ".netrc",
+    "_netrc",
+    ".pypirc",
+    ".pgpass",
+    ".htpasswd",
     ".git/config",
 )
 DEFAULT_ALLOW: tuple[str, ...] = (".env.example", ".env.sample", ".env.template")
-# Read-only inside the sandbox: hooks and config run code on the host's next git command.
-DEFAULT_PROTECTED: tuple[str, ...] = (".git/hooks", ".git/config")
+# Read-only inside the sandbox: what git (the host user's, on their next command) executes or
+# obeys — hooks, configs (top-level, submodules', nested repositories'), info/attributes, linked
+# worktrees' admin files — and the campaign's own image and policy files.
+DEFAULT_PROTECTED: tuple[str, ...] = (
+    ".git/hooks",
+    ".git/config",
+    ".git/config.worktree",
+    ".git/commondir",
+    ".git/info",
+    ".git/worktrees",
+    ".git/modules/**/config",
+    ".git/modules/**/hooks",
+    "**/.git/config",
+    "**/.git/hooks",
+    ".sandman",
+)
+# Bound onto themselves read-write: a mount point cannot be renamed, removed or replaced, so the
+# agent cannot move the repository away and put one of its own in its place.
+PINNED: tuple[str, ...] = (".git",)
 
-# Directories that are huge and never hold secrets worth a walk; their own names are still checked.
-_SKIP_DESCENT_ANYWHERE = frozenset({"node_modules"})
+# Never walked: only object files (hex names) live there.
 _SKIP_DESCENT_AT = frozenset({(".git", "objects")})
 
 
@@ -105,10 +151,10 @@ def _compile(text: str) -> _Glob:
         if not (p == "**" and collapsed and collapsed[-1] == "**"):
             collapsed.append(p)
     if not anchored and len(collapsed) == 1 and collapsed[0] != "**":
-        return _Glob(text, re.compile(translate(collapsed[0])), ())
+        return _Glob(text, re.compile(translate(collapsed[0]), re.IGNORECASE), ())
     if len(collapsed) == 2 and collapsed[0] == "**" and collapsed[1] != "**":
-        return _Glob(text, re.compile(translate(collapsed[1])), ())
-    pats = tuple(None if p == "**" else re.compile(translate(p)) for p in collapsed)
+        return _Glob(text, re.compile(translate(collapsed[1]), re.IGNORECASE), ())
+    pats = tuple(None if p == "**" else re.compile(translate(p), re.IGNORECASE) for p in collapsed)
     return _Glob(text, None, pats)
 
 
@@ -202,58 +248,155 @@ def validate_path(
 class Denied(NamedTuple):
     path: Path  # under DenyScan.root
     is_dir: bool  # True: mask with an empty tmpfs; False (files, symlinks, others): bind an empty file
+    is_link: bool = False  # the name itself is a symlink
+    nlink: int = 1  # hard links of a regular file
 
 
 @dataclass(frozen=True)
 class DenyScan:
     root: Path  # the real workspace root the paths are under
     paths: tuple[Denied, ...]
-    truncated: bool  # the limit stopped the walk: deeper denied paths may be missing
+    truncated: bool  # the limit stopped the walk: the result is incomplete (callers fail closed)
     scanned: int  # directory entries looked at
     unreadable: tuple[Path, ...] = ()  # directories the walk could not list
+    protected: tuple[Denied, ...] = ()  # paths matching the protected globs (not denied)
+    pinned: tuple[Denied, ...] = ()  # PINNED names present at the root
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_RACY_NS = 2_000_000_000  # a directory changed this recently may change again within its mtime tick
+
+
+class WorkspaceScanner:
+    """Denied, protected and pinned paths of one workspace, rescanned cheaply.
+
+    The walk opens every directory beneath the workspace's descriptor with O_NOFOLLOW (a symlink
+    is reported by its own name, never followed, whatever the agent swaps in), does not descend
+    into denied directories nor ``.git/objects``, and remembers each directory's listing by its
+    identity and change times: a rescan lists again only the directories that changed (and
+    those changed too recently for their timestamps to be trusted), so every exec can afford a
+    current, complete list. A walk cut short by ``limit`` says so (``truncated``)."""
+
+    def __init__(
+        self,
+        workspace: Path,
+        deny: Sequence[str] = DEFAULT_DENY,
+        allow: Sequence[str] = DEFAULT_ALLOW,
+        protected: Sequence[str] = (),
+        limit: int = 1_000_000,
+    ) -> None:
+        if limit < 1:
+            raise ValueError("limit must be positive")
+        self.root = Path(os.path.realpath(workspace))
+        self._deny, self._allow, self._protected = _globs(deny), _globs(allow), _globs(protected)
+        self.limit = limit
+        self._listings: dict[tuple[str, ...], tuple[tuple[int, int, int, int], _Listing]] = {}
+
+    def scan(self) -> DenyScan:
+        found: list[Denied] = []
+        protected: list[Denied] = []
+        pinned: list[Denied] = []
+        unreadable: list[Path] = []
+        scanned = 0
+        now = time.time_ns()
+        seen: set[tuple[str, ...]] = set()
+        try:
+            root_fd = os.open(self.root, _DIR_FLAGS)
+        except OSError:
+            return DenyScan(self.root, (), False, 0, (self.root,))
+        stack: list[tuple[int, tuple[str, ...]]] = [(root_fd, ())]
+        try:
+            while stack:
+                fd, prefix = stack.pop()
+                try:
+                    listing = self._listing(fd, prefix, now)
+                except OSError:
+                    unreadable.append(self.root.joinpath(*prefix))
+                    os.close(fd)
+                    continue
+                seen.add(prefix)
+                scanned += listing.count
+                if scanned > self.limit:
+                    os.close(fd)
+                    return DenyScan(self.root, tuple(found), True, scanned, tuple(unreadable))
+                for name, is_dir, _ in listing.pinned:
+                    pinned.append(Denied(self.root / name, is_dir))
+                for name, is_dir, is_link in listing.denied:
+                    found.append(self._entry(fd, name, (*prefix, name), is_dir, is_link))
+                for name, is_dir, is_link in listing.protected:
+                    protected.append(self._entry(fd, name, (*prefix, name), is_dir, is_link))
+                for name in reversed(listing.subdirs):
+                    try:
+                        child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                    except OSError:
+                        unreadable.append(self.root.joinpath(*prefix, name))
+                        continue
+                    stack.append((child, (*prefix, name)))
+                os.close(fd)
+        finally:
+            for fd, _ in stack:
+                os.close(fd)
+        for key in [k for k in self._listings if k not in seen]:
+            del self._listings[key]  # directories gone since the last scan
+        return DenyScan(self.root, tuple(found), False, scanned, tuple(unreadable), tuple(protected), tuple(pinned))
+
+    def _entry(self, fd: int, name: str, parts: tuple[str, ...], is_dir: bool, is_link: bool) -> Denied:
+        nlink = 1
+        if not is_dir and not is_link:
+            with contextlib.suppress(OSError):
+                nlink = os.stat(name, dir_fd=fd, follow_symlinks=False).st_nlink
+        return Denied(self.root.joinpath(*parts), is_dir and not is_link, is_link, nlink)
+
+    def _listing(self, fd: int, prefix: tuple[str, ...], now: int) -> _Listing:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+        cached = self._listings.get(prefix)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        listing = _Listing()
+        with os.scandir(fd) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            listing.count += 1
+            try:
+                is_link = entry.is_symlink()
+                is_dir = not is_link and entry.is_dir(follow_symlinks=False)
+            except OSError:
+                is_link, is_dir = False, False
+            item = (entry.name, is_dir, is_link)
+            parts = (*prefix, entry.name)
+            if not prefix and entry.name in PINNED and not is_link:
+                listing.pinned.append(item)
+            if _self_denied(parts, self._deny, self._allow):
+                listing.denied.append(item)
+                continue
+            if self._protected and _self_denied(parts, self._protected, ()):
+                listing.protected.append(item)
+            if is_dir and parts not in _SKIP_DESCENT_AT:
+                listing.subdirs.append(entry.name)
+        if now - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
+            self._listings[prefix] = (key, listing)
+        else:
+            self._listings.pop(prefix, None)
+        return listing
+
+
+@dataclass
+class _Listing:
+    """One directory's entries, classified once."""
+
+    count: int = 0
+    denied: list[tuple[str, bool, bool]] = field(default_factory=list)
+    protected: list[tuple[str, bool, bool]] = field(default_factory=list)
+    pinned: list[tuple[str, bool, bool]] = field(default_factory=list)
+    subdirs: list[str] = field(default_factory=list)
 
 
 def find_denied(
     workspace: Path,
     deny: Sequence[str] = DEFAULT_DENY,
     allow: Sequence[str] = DEFAULT_ALLOW,
-    limit: int = 20000,
+    limit: int = 1_000_000,
 ) -> DenyScan:
-    """Existing denied paths under ``workspace``, for masking inside the sandbox.
-
-    Never follows symlinks (a symlink is reported by its own name, as a file), does not descend
-    into a denied directory, nor into ``.git/objects`` or ``node_modules``. Breadth-first, so a
-    walk cut short by ``limit`` has still seen the shallow paths where secrets usually live.
-    """
-    if limit < 1:
-        raise ValueError("limit must be positive")
-    deny_globs, allow_globs = _globs(deny), _globs(allow)
-    root = Path(os.path.realpath(workspace))
-    found: list[Denied] = []
-    unreadable: list[Path] = []
-    scanned = 0
-    truncated = False
-    queue: deque[tuple[Path, tuple[str, ...]]] = deque([(root, ())])
-    while queue and not truncated:
-        directory, prefix = queue.popleft()
-        try:
-            with os.scandir(directory) as it:
-                entries = sorted(it, key=lambda e: e.name)
-        except OSError:
-            unreadable.append(directory)
-            continue
-        for entry in entries:
-            if scanned >= limit:
-                truncated = True
-                break
-            scanned += 1
-            parts = (*prefix, entry.name)
-            try:
-                is_dir = entry.is_dir(follow_symlinks=False)
-            except OSError:
-                is_dir = False
-            if _self_denied(parts, deny_globs, allow_globs):
-                found.append(Denied(Path(entry.path), is_dir))
-            elif is_dir and entry.name not in _SKIP_DESCENT_ANYWHERE and parts not in _SKIP_DESCENT_AT:
-                queue.append((Path(entry.path), parts))
-    return DenyScan(root, tuple(found), truncated, scanned, tuple(unreadable))
+    """Existing denied paths under ``workspace`` (a one-off WorkspaceScanner walk)."""
+    return WorkspaceScanner(workspace, deny, allow, (), limit).scan()

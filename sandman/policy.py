@@ -108,7 +108,29 @@ class FilesystemPolicy(_Strict):
     protected: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECTED))
     writable: list[str] = Field(default_factory=list, description="extra host dirs, read-write")
     tools_dir: str | None = Field(default=None, description="host dir of durable tools, read-only on PATH")
-    max_masks: int = Field(default=2000, ge=1, description="refuse workspaces with more denied paths")
+    max_masks: int = Field(
+        default=2000, ge=1, description="above this many denied paths, whole directories are hidden instead"
+    )
+    scan_limit: int = Field(
+        default=1_000_000, ge=1000, description="workspace entries the deny-list scan may walk; beyond, fail closed"
+    )
+    share_tmp_home: bool = Field(
+        default=False,
+        description="sessions: let every exec share /tmp and HOME (default: each exec gets its own, so "
+        "a file one command plants there, such as ~/.gitconfig, cannot capture the next one's secrets)",
+    )
+    git_history: Literal["scrub", "refuse", "allow"] = Field(
+        default="scrub",
+        description="deny-listed files found in the repository's git history (readable inside with "
+        "`git show`): scrub registers every version as a known secret, refuse does not start, "
+        "allow only audits",
+    )
+    on_poison: Literal["report", "quarantine"] = Field(
+        default="report",
+        description="after a session, what the agent left that makes the host user's git, editor or "
+        "shell run code (sandman.poison): report it, or also move the flagged files to "
+        "<state_dir>/quarantine/<session>",
+    )
 
     @field_validator("writable", "tools_dir")
     @classmethod
@@ -318,6 +340,11 @@ def _loosening(key: str, op: Policy, cp: Policy) -> str | None:
         return None if new == old or (old == Runtime.RUNC and new == Runtime.RUNSC) else "gVisor cannot be dropped"
     if key == "filesystem.max_masks":
         return None if new <= old else f"operator: {old}, campaign: {new}"
+    if key == "filesystem.share_tmp_home":
+        return None if not new or old else "sharing /tmp and HOME across execs is the operator's choice"
+    if key == "filesystem.git_history":
+        order = ("allow", "scrub", "refuse")  # loosest first
+        return None if order.index(new) >= order.index(old) else f"operator: {old}, campaign: {new}"
     if key == "filesystem.tools_dir":
         return None if new in (None, old) else "a campaign cannot choose host directories"
     if key in ("filesystem.allow", "filesystem.writable", "environment.passthrough", "secrets.inject"):

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     import docker
 
 TINI = "/usr/bin/tini"
+SUPERVISOR = "/usr/lib/sandman/supervisor.py"
+CONTROL_DIR = "control"  # the supervisor's socket dir: the one runtime subdir the container writes
 Sink = Callable[[bytes], None]
 
 
@@ -156,22 +158,60 @@ def signals_cancel(cancel: Cancel) -> Iterator[None]:
 
 
 def make_runtime_dir(settings: Settings, session_id: str, ws: Workspace) -> Path:
-    """A private per-session dir (0700, owned by the sandbox uid), bound at /run/sandman."""
-    root = settings.runtime_dir
-    root.mkdir(parents=True, exist_ok=True, mode=0o711)
-    path = root / session_id
-    path.mkdir(mode=0o700)
-    (path / UPCALL_DIR).mkdir(mode=0o700)  # the relay's socket dir, bound into both layers
-    (path / "empty").touch(mode=0o444)  # what denied files read as inside layer 2
-    if os.geteuid() == 0:
-        os.chown(path, ws.uid, ws.gid)
-        os.chown(path / UPCALL_DIR, ws.uid, ws.gid)
-    elif os.geteuid() != ws.uid:
-        path.rmdir()
+    """A per-session dir the container sees read-only at /run/sandman.
+
+    The host never creates, chowns or writes anything in a directory the container can write:
+    the session dir, ``env`` (private env files) and ``upcall`` (the relay's socket) belong to
+    the host and are bound read-only; only ``control`` (the supervisor's socket, which the
+    container must create) is bound read-write, and the host only ever connects to it, opening
+    the socket without following symlinks."""
+    if os.geteuid() not in (0, ws.uid):
         raise WorkspaceError(
             f"workspace {ws.path} belongs to uid {ws.uid} but sandman runs as uid {os.geteuid()}: "
             "run sandman as the workspace owner (or as root)"
         )
+    root = settings.runtime_dir
+    root.mkdir(parents=True, exist_ok=True, mode=0o711)
+    path = root / session_id
+    path.mkdir(mode=0o711)
+    # Created inside a fresh directory only this process can write: no path here can be swapped.
+    for name in (UPCALL_DIR, enforce.ENV_DIR):
+        (path / name).mkdir(mode=0o711)
+    (path / CONTROL_DIR).mkdir(mode=0o700)
+    fd = os.open(path / "empty", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+    os.close(fd)  # what denied files read as inside layer 2
+    if os.geteuid() == 0:
+        os.chown(path / CONTROL_DIR, ws.uid, ws.gid, follow_symlinks=False)
+    return path
+
+
+TRUSTED_FILES = {"supervisor.py": 0o644, "sandbox-exec": 0o755}
+
+
+def trusted_dir(settings: Settings) -> Path:
+    """A host copy of sandman's in-container programs (supervisor, launcher, exec shim), made
+    once per content and bound read-only into every sandbox over the image's copy: a campaign
+    image cannot replace what runs in layer 1 and starts layer 2."""
+    source = resources.images_dir() / "base"
+    blobs = {name: (source / name).read_bytes() for name in TRUSTED_FILES}
+    digest = hashlib.sha256(b"".join(n.encode() + b"\0" + b + b"\0" for n, b in sorted(blobs.items()))).hexdigest()
+    root = settings.runtime_dir
+    path = root / f"lib-{digest[:16]}"
+    if path.is_dir() and not path.is_symlink():
+        return path
+    root.mkdir(parents=True, exist_ok=True, mode=0o711)
+    tmp = root / f".lib-{secrets.token_hex(6)}"
+    tmp.mkdir(mode=0o755)
+    for name, mode in TRUSTED_FILES.items():
+        fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(blobs[name])
+        os.chmod(tmp / name, mode)  # whatever the umask said
+    os.chmod(tmp, 0o755)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -202,12 +242,24 @@ class Runner:
         return self._api
 
     def images(self) -> ImageManager:
-        return ImageManager(self.api, self.settings.base_image, self.settings.offline_base_image)
+        return ImageManager(
+            self.api, self.settings.base_image, self.settings.offline_base_image, self.settings.state_dir
+        )
 
     def policy(self, path: Path | None, workspace: Path | None = None) -> Policy:
         """The effective policy: the operator's (``path``, else settings, else sandman's default)
         with the workspace's campaign policy merged on top."""
         return effective_policy(path or self.settings.default_policy, workspace).policy
+
+    def check_campaign(self, workspace: Path, accept: bool = False) -> None:
+        """Refuse a campaign (``.sandman/``) the operator has not accepted; record first use."""
+        from sandman import campaign
+
+        verdict, snap = campaign.check(self.settings.state_dir, workspace, accept=accept)
+        if verdict != "same":
+            self.state.audit(
+                None, f"campaign.{verdict}", workspace=str(workspace), digest=snap.digest[:16], files=sorted(snap.files)
+            )
 
     def refuse(self, session_id: str | None, exc: SandmanError, argv: Sequence[str]) -> None:
         """Audit a refusal before it reaches the caller."""
@@ -225,15 +277,18 @@ class Runner:
         stderr: Sink = _discard,
         cancel: Cancel | None = None,
         host_env: Mapping[str, str] | None = None,
+        accept_campaign: bool = False,
     ) -> RunResult:
         """Run ``command`` in a fresh sandbox on ``workspace``; stream its output to the sinks.
 
-        ``host_env`` is where the policy's passthrough variables are read (default: os.environ)."""
+        ``host_env`` is where the policy's passthrough variables are read (default: os.environ);
+        ``accept_campaign`` accepts a changed ``.sandman/`` (else CampaignChanged, with the diff)."""
         if not command:
             raise UsageError("no command given: put it after --, e.g. sandman run --workspace . -- make test")
         if any("\x00" in arg for arg in command):
             raise UsageError("the command contains a NUL byte, which no program can receive")
         ws = resolve_workspace(workspace)
+        self.check_campaign(ws.path, accept_campaign)
         policy = policy or self.policy(None, ws.path)
         camp = load_campaign(ws.path, campaign)
         session_id = new_session_id()
@@ -249,7 +304,10 @@ class Runner:
             controller_env={"SANDMAN_SESSION": session_id, "SANDMAN_CAMPAIGN": camp.name},
             extra=camp.spec.env,
         )
-        layer2 = enforce.Layer2(env, enforce.scan_masks(ws, policy), writable=tuple(policy.filesystem.writable))
+        masks = enforce.scan_masks(ws, policy)
+        for warning in masks.warnings:
+            self.progress(warning)
+        layer2 = enforce.Layer2(env, masks, writable=tuple(policy.filesystem.writable))
         image = self.images().ensure(camp, self.progress)
         self.ensure_probe(image, ws, policy)
         if timeout is None:
@@ -323,6 +381,7 @@ class Runner:
             state_id=state_id_for(self.settings.state_dir),
             kind=kind,
             extra_mounts=enforce.extra_mounts(policy),
+            trusted_dir=str(trusted_dir(self.settings)),
         )
 
     def _run_container(
@@ -352,7 +411,7 @@ class Runner:
         env_file = None
         if layer2.env.private:
             env_file = enforce.write_env_file(runtime_dir, ws, layer2.env.private)[1]
-        argv = [TINI, "--", *bwrap.bwrap_argv(layer2.spec(command, env_file))]
+        argv = launcher_argv(layer2.spec(command, env_file))
         spec = self.container_spec(argv, ws, campaign, image, policy, session_id, runtime_dir, kind)
         kwargs = container_kwargs(spec)
         res = policy.resources
@@ -491,6 +550,13 @@ class Runner:
 
 class _Cancelled(Exception):
     pass
+
+
+def launcher_argv(spec: bwrap.BwrapSpec) -> list[str]:
+    """A one-shot container's command: tini, then sandman's launcher, which opens the guarded
+    workspace paths without following symlinks and becomes bwrap."""
+    request = {"argv": bwrap.bwrap_argv(spec), "guard": bwrap.guard_request(spec), "env": {}}
+    return [TINI, "--", "python3", "-I", "-S", SUPERVISOR, "--launch", json.dumps(request)]
 
 
 IDLE_RELEASE_S = 0.05

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets as _secrets
 import select
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,10 +27,22 @@ from sandman.causes import CgroupWatch, OutputCap
 from sandman.engine import ContainerSpec, container_kwargs, engine_retry, state_id_for
 from sandman.errors import SandboxError, SandmanError, UsageError
 from sandman.files import Files
+from sandman.paths import WorkspaceScanner
 from sandman.policy import Policy
 from sandman.protocol import HEADER, recv_exact
 from sandman.relay import RelayContext, RelayHost, upcall_socket
-from sandman.runner import TINI, ExitCause, Runner, classify_end, make_runtime_dir, new_session_id, process_start
+from sandman.runner import (
+    CONTROL_DIR,
+    SUPERVISOR,
+    TINI,
+    ExitCause,
+    Runner,
+    classify_end,
+    make_runtime_dir,
+    new_session_id,
+    process_start,
+    trusted_dir,
+)
 from sandman.scrub import Scrubber
 from sandman.settings import Settings
 from sandman.state import SessionRecord, SessionState, StateStore
@@ -37,9 +51,8 @@ from sandman.workspace import Workspace, resolve_workspace
 if TYPE_CHECKING:
     import docker
 
-SUPERVISOR = "/usr/lib/sandman/supervisor.py"
-CONTROL_DIR = "control"
 CONTROL_SOCK = "ctl.sock"
+PRIVATE_DIRS = ("/tmp", "/home/agent")  # the container tmpfs each exec gets its own directory in
 READY_TIMEOUT_S = 30.0
 IDLE_RELEASE_S = 0.05  # a stream quiet this long has its scrubber's held-back tail released
 EXIT_IDLE, EXIT_LIFETIME = 3, 4
@@ -109,6 +122,7 @@ class Sandbox:
         owned: bool = True,
         kind: str = "session",
         labels: Mapping[str, str] | None = None,
+        accept_campaign: bool = False,
         _record: SessionRecord | None = None,
         _runner: Runner | None = None,
     ) -> None:
@@ -117,7 +131,7 @@ class Sandbox:
         self._scrub_text = enforce.text_scrubber(self.settings)
         self.state = StateStore(self.settings.state_dir, scrub=self._scrub_text)
         self._scrubbers: dict[frozenset[tuple[str, str]], Scrubber] = {}
-        self._masks: enforce.Masks | None = None
+        self._scanner: WorkspaceScanner | None = None
         self._watch: CgroupWatch | None = None
         if _record is not None:  # attach: the policy the session was created with
             self.record = _record
@@ -131,6 +145,7 @@ class Sandbox:
         if workspace is None:
             raise UsageError("a workspace is required to create a session")
         self.workspace = resolve_workspace(workspace)
+        self._runner.check_campaign(self.workspace.path, accept_campaign)
         self.policy = (
             self._runner.policy(None, self.workspace.path)
             if policy is None
@@ -165,10 +180,6 @@ class Sandbox:
         self._campaign_env = dict(camp.spec.env)
         session_id = new_session_id()
         runtime_dir = make_runtime_dir(self.settings, session_id, self.workspace)
-        control = runtime_dir / CONTROL_DIR
-        control.mkdir(mode=0o700)
-        if os.geteuid() == 0:
-            os.chown(control, self.workspace.uid, self.workspace.gid)
         res = self.policy.resources
         command = [
             TINI,
@@ -200,6 +211,7 @@ class Sandbox:
             kind=kind,
             extra_mounts=enforce.extra_mounts(self.policy),
             extra_labels=labels,
+            trusted_dir=str(trusted_dir(self.settings)),
         )
         kwargs = container_kwargs(spec)
         now = time.time()
@@ -258,8 +270,8 @@ class Sandbox:
     def _wait_ready(self, container_id: str, sock_path: Path) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
-            if sock_path.exists():
-                with contextlib.suppress(OSError, ConnectionError):
+            if os.path.lexists(sock_path):
+                with contextlib.suppress(OSError, ConnectionError, ValueError):
                     self._control({"op": "ping"}, sock_path)
                     return
             state = self.api.inspect_container(container_id)["State"]
@@ -274,19 +286,15 @@ class Sandbox:
         return Path(self.record.runtime_dir) / CONTROL_DIR / CONTROL_SOCK
 
     def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(str(self._sock_path))
+            return connect_control(self._sock_path)
         except OSError:
-            sock.close()
             raise SessionGone(f"session {self.id} is not running (its supervisor does not answer)") from None
-        return sock
 
     def _control(self, request: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = connect_control(path or self._sock_path)
         with sock:
             sock.settimeout(10)
-            sock.connect(str(path or self._sock_path))
             sock.sendall(json.dumps(request).encode() + b"\n")
             _kind, length = HEADER.unpack(recv_exact(sock, HEADER.size))
             result: dict[str, Any] = json.loads(recv_exact(sock, length))
@@ -355,10 +363,14 @@ class Sandbox:
 
     # -- exec ---------------------------------------------------------------------------------
     def masks(self) -> enforce.Masks:
-        """Denied paths as they were when first asked (cached: a scan per exec would cost ~50 ms)."""
-        if self._masks is None:
-            self._masks = enforce.scan_masks(self.workspace, self.policy)
-        return self._masks
+        """Denied, protected and pinned paths as they are now: every exec rescans (incrementally,
+        so an unchanged tree costs a few milliseconds)."""
+        if self._scanner is None:
+            self._scanner = enforce.workspace_scanner(self.workspace, self.policy)
+        masks = enforce.scan_masks(self.workspace, self.policy, self._scanner)
+        for warning in masks.warnings:
+            self._runner.progress(warning)
+        return masks
 
     def _layer2(
         self,
@@ -416,9 +428,16 @@ class Sandbox:
             env_file, env_file_in_container = enforce.write_env_file(
                 Path(self.record.runtime_dir), self.workspace, plan.env.private
             )
+        private = None
+        if not self.policy.filesystem.share_tmp_home:
+            tag = f".sandman-exec-{_secrets.token_hex(8)}"
+            private = (f"{PRIVATE_DIRS[0]}/{tag}", f"{PRIVATE_DIRS[1]}/{tag}")
+        spec = plan.spec(argv, env_file_in_container, private)
         request: dict[str, Any] = {
             "op": "exec",
-            "argv": bwrap.bwrap_argv(plan.spec(argv, env_file_in_container)),
+            "argv": bwrap.bwrap_argv(spec),
+            "guard": bwrap.guard_request(spec),
+            "mkdirs": list(private or ()),
             "env": {},
             "timeout": timeout,
             "stdin": stdin is not None,
@@ -549,7 +568,7 @@ class Sandbox:
             res = new.resources
             self.update(cpus=res.cpus, memory=res.memory, pids=res.pids)
         self.policy = new
-        self._masks = None
+        self._scanner = None
         self.record.policy = new.model_dump_json()
         self.state.update_session(self.id, policy=self.record.policy, policy_hash=new.digest())
         self.state.audit(self.id, "session.policy", next_exec=next_exec, live=live)
@@ -579,6 +598,25 @@ class Sandbox:
         self.record.limits = json.dumps(limits)
         self.state.update_session(self.id, limits=self.record.limits)
         self.state.audit(self.id, "session.update", cpus=cpus, memory=memory, pids=pids)
+
+
+def connect_control(path: Path) -> socket.socket:
+    """Connect to a supervisor's socket without following a symlink the container may have put
+    in its place (the control dir is the one runtime dir the container writes): the socket is
+    opened O_PATH|O_NOFOLLOW, checked to be a socket, and connected to through its descriptor."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise ConnectionRefusedError(f"{path} is not a socket")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(f"/proc/self/fd/{fd}")
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    finally:
+        os.close(fd)
 
 
 def _answers(path: Path) -> bool:

@@ -106,10 +106,14 @@ ALLOWED_SOCKET_PREFIXES = ("/run/sandman/upcall",)
 
 # /proc/self/mountinfo rules (see verify.py's docstring for the reasoning).
 UPCALL_DIR = "/run/sandman/upcall"
+# sandman's own in-container programs, bound read-only from a host copy (runner.trusted_dir).
+TRUSTED_DIR = "/usr/lib/sandman"
+TRUSTED_ROOT = re.compile(r"/(?:.+/)?lib-[0-9a-f]{16}")
 MOUNT_POINTS = frozenset(
     {
         "/", "/usr", "/etc", "/etc/resolv.conf", "/etc/hostname", "/etc/hosts", "/sys", "/proc",
         "/dev", "/tmp", "/home/agent", "/workspace", "/opt/sandman/tools", UPCALL_DIR,
+        TRUSTED_DIR,
     }
 )  # fmt: skip
 MOUNT_PREFIXES = ("/sys/", "/dev/", "/proc/")
@@ -776,8 +780,8 @@ def _same_host_path(root: str, host_path: str) -> bool:
 def mount_violations(mounts: list[dict[str, str]], host_workspace: str, host_upcall: str = "") -> list[str]:
     """The rules: every mount point is one layer 2 makes; only the scratch places and the workspace
     are writable; image content appears only at its own path; the only host paths are the
-    workspace, the session's upcall directory (read-only) and Docker's per-container
-    resolv.conf/hostname/hosts files (read-only)."""
+    workspace, the session's upcall directory (read-only), sandman's own programs (read-only)
+    and Docker's per-container resolv.conf/hostname/hosts files (read-only)."""
     image_dev = next((m["dev"] for m in mounts if m["point"] == "/usr"), None)
     bad = []
     for m in mounts:
@@ -799,6 +803,9 @@ def mount_violations(mounts: list[dict[str, str]], host_workspace: str, host_upc
         elif point == UPCALL_DIR:
             if not host_upcall or not _same_host_path(root, host_upcall) or not ro:
                 bad.append(f"upcall dir is {root} ({m['opts']}), not {host_upcall} read-only")
+        elif point == TRUSTED_DIR:
+            if not TRUSTED_ROOT.fullmatch(root) or not ro:
+                bad.append(f"sandman's programs are {root} ({m['opts']}), not its read-only host copy")
         elif point in ("/etc/resolv.conf", "/etc/hostname", "/etc/hosts"):
             if not DOCKER_FILES.fullmatch(root) or not ro:
                 bad.append(f"unexpected host file {where}")

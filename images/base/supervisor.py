@@ -8,6 +8,18 @@ it. Stdlib only; the host builds every argv (this process runs what it is given,
 Wire format: a request is one JSON line; then frames of (type byte, 4-byte big-endian length,
 payload) both ways. Host -> here: b"i" stdin data, b"I" stdin EOF, b"k" kill. Here -> host:
 b"o" stdout, b"e" stderr, b"r" the JSON result. A host that disconnects kills its exec.
+
+Only the host may talk to it: a connection whose peer is a process of this container's PID
+namespace (layer 1 or anything under it, bubblewrap's layer 2 included) is closed unanswered.
+
+The launcher (``prepare``, also run alone with ``--launch`` for one-shot sandboxes) is where the
+agent's workspace meets bubblewrap's mount setup. bubblewrap resolves bind sources and creates
+destinations by following symlinks, and the agent writes the workspace, so every workspace path
+bubblewrap binds is first opened here by a walk that follows no symlink (each component opened
+with O_NOFOLLOW from the workspace's descriptor) and handed over as ``/proc/self/fd/N``; every
+mask target is walked the same way; and the identity of each destination's parent directory is
+passed to the exec shim, which checks inside the new namespace that every mount landed exactly
+where it was meant to (a symlink swapped in mid-setup fails the exec, never opens it).
 """
 
 from __future__ import annotations
@@ -18,16 +30,104 @@ import json
 import os
 import selectors
 import signal
+import shutil
 import socket
+import stat
 import struct
 import sys
 import termios
 import time
 
 HEADER = struct.Struct(">cI")
-MAX_REQUEST = 1 << 20
+MAX_REQUEST = 4 << 20
 READ_CHUNK = 1 << 16
 EXIT_IDLE, EXIT_LIFETIME = 3, 4
+GUARD_FD_BASE = 3  # guarded workspace paths are handed to bwrap as /proc/self/fd/3, 4, ...
+GUARD_PLACEHOLDER = "@SANDMAN_GUARD@"
+REFUSED_EXIT = 126
+
+
+class GuardError(Exception):
+    """A workspace path bubblewrap would bind or mask is not what the host checked."""
+
+
+def _open_beneath(root: int, rel: str) -> tuple[int, str]:
+    """(descriptor of the parent directory, last name) of ``rel`` under ``root``, walking every
+    component with O_NOFOLLOW: a symlink or a non-directory on the way is refused."""
+    parts = rel.split("/")
+    if not rel or any(p in ("", ".", "..") for p in parts):
+        raise GuardError(f"{rel!r} is not a plain workspace-relative path")
+    fd = os.dup(root)
+    try:
+        for name in parts[:-1]:
+            try:
+                nxt = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                raise GuardError(
+                    f"workspace path {rel!r}: component {name!r} is a symlink or not a directory ({exc.strerror})"
+                ) from None
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+def prepare(request: dict) -> tuple[list[str], list[int]]:
+    """The final bwrap argv and the descriptors it needs, from a host request (runs in the child).
+
+    ``guard.open``: [path, kind] bound by descriptor (fd GUARD_FD_BASE + index, in order);
+    ``guard.check``: [path, kind] mask targets; kind is "ro", "rw" or "mask" (read-only);
+    ``mkdirs``: per-exec private dirs to create first."""
+    guard = request.get("guard") or {}
+    for path in request.get("mkdirs") or []:
+        os.mkdir(str(path), 0o700)  # fails on anything already there: nothing planted is reused
+    argv = [str(a) for a in request["argv"]]
+    opened: list[int] = []
+    expect: list[list] = []
+    if guard.get("open") or guard.get("check"):
+        root = os.open(str(guard.get("workspace", "/workspace")), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        items = [(str(r), str(k), "open") for r, k in guard.get("open") or []]
+        items += [(str(r), str(k), "check") for r, k in guard.get("check") or []]
+        for rel, kind, how in items:
+            parent, name = _open_beneath(root, rel)
+            try:
+                pst = os.fstat(parent)
+                if how == "open":
+                    try:
+                        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+                    except OSError as exc:
+                        raise GuardError(f"workspace path {rel!r} cannot be opened ({exc.strerror})") from None
+                    st = os.fstat(fd)
+                    opened.append(fd)
+                else:
+                    try:
+                        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                    except OSError as exc:
+                        raise GuardError(f"workspace path {rel!r} changed during the sandbox's start ({exc.strerror})") from None
+            finally:
+                os.close(parent)
+            if stat.S_ISLNK(st.st_mode):
+                raise GuardError(f"workspace path {rel!r} is a symlink: sandman never binds through one")
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                raise GuardError(f"workspace path {rel!r} is not a regular file or directory")
+            expect.append([rel, kind, pst.st_dev, pst.st_ino])
+        os.close(root)
+    guard_text = "".join(f"{kind} {dev} {ino} {os.fsencode(rel).hex()}\n" for rel, kind, dev, ino in expect)
+    argv = [guard_text if a == GUARD_PLACEHOLDER else a for a in argv]
+    return argv, opened
+
+
+def place_fds(opened: list[int]) -> None:
+    """Move the guard descriptors to GUARD_FD_BASE.. (inheritable); close every other fd >= 3."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in opened]
+    for fd in opened:
+        os.close(fd)
+    os.closerange(3, 1024)
+    for i, fd in enumerate(high):
+        os.dup2(fd, GUARD_FD_BASE + i, inheritable=True)
+    os.closerange(GUARD_FD_BASE + len(high), 65536)
 
 
 class Exec:
@@ -60,21 +160,29 @@ class Exec:
             err_r, err_w = os.pipe()
             in_r, in_w = os.pipe() if want_stdin else (os.open(os.devnull, os.O_RDONLY), -1)
         env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
-        argv = [str(a) for a in request["argv"]]
+        self.private_dirs = [str(p) for p in request.get("mkdirs") or []]
         pid = os.fork()
         if pid == 0:  # child: become the command (bwrap), with clean stdio
+            code = 127
             try:
                 os.setpgid(0, 0)
                 os.dup2(in_r, 0)
                 os.dup2(out_w, 1)
                 os.dup2(err_w, 2)
-                os.closerange(3, 65536)
                 signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+                try:
+                    argv, opened = prepare(request)
+                except GuardError as exc:
+                    code = REFUSED_EXIT
+                    raise
+                place_fds(opened)
                 os.execve(argv[0], argv, env)
+            except GuardError as exc:
+                os.write(2, f"sandman: refused: {exc}\n".encode())
             except BaseException as exc:  # noqa: BLE001 - report and die, never return to the loop
-                os.write(2, f"sandman: cannot start {argv[0]}: {exc}\n".encode())
+                os.write(2, f"sandman: cannot start the sandbox: {exc}\n".encode())
             finally:
-                os._exit(127)
+                os._exit(code)
         self.pid = pid
         for fd in (in_r, out_w, err_w):
             os.close(fd)
@@ -224,11 +332,33 @@ class Supervisor:
             pass
         ex.conn.close()
         self.last_active = time.monotonic()
+        if ex.private_dirs:
+            # The exec's own /tmp and HOME go with it; removed by a child so a big tree never
+            # stalls the other execs' streams.
+            if os.fork() == 0:
+                try:
+                    for path in ex.private_dirs:
+                        shutil.rmtree(path, ignore_errors=True)
+                finally:
+                    os._exit(0)
 
     def on_accept(self) -> None:
         try:
             conn, _ = self.listener.accept()
-        except BlockingIOError:
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # EMFILE and friends: nothing to serve now; the host retries
+            time.sleep(0.01)
+            return
+        try:
+            pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        except OSError:
+            pid = -1
+        if pid != 0:
+            # The host's processes are outside this PID namespace, so the kernel reports pid 0
+            # for them; any process of the container (layer 1, or bwrap's layer 2 under it) has
+            # a pid here and gets nothing, not even an error.
+            conn.close()
             return
         conn.setblocking(True)
         self.pending[conn.fileno()] = (conn, b"")
@@ -250,17 +380,22 @@ class Supervisor:
         buf += data
         if b"\n" not in buf:
             if len(buf) > MAX_REQUEST:
-                self._reply_close(conn, {"error": "request too large"})
+                self.sel.unregister(conn)
+                del self.pending[fd]
+                self._reply_close(conn, {"error": f"request too large (over {MAX_REQUEST} bytes)"})
             else:
                 self.pending[fd] = (conn, buf)
             return
         line, rest = buf.split(b"\n", 1)
         del self.pending[fd]
         self.sel.unregister(conn)
+        if len(line) > MAX_REQUEST:
+            self._reply_close(conn, {"error": f"request too large (over {MAX_REQUEST} bytes)"})
+            return
         try:
             request = json.loads(line)
             op = request["op"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             self._reply_close(conn, {"error": "malformed request"})
             return
         if op == "ping":
@@ -269,7 +404,7 @@ class Supervisor:
         elif op == "exec":
             try:
                 ex = Exec(self, conn, request)
-            except (KeyError, TypeError, ValueError, OSError) as exc:
+            except (KeyError, TypeError, ValueError, OSError, IndexError, AttributeError) as exc:
                 self._reply_close(conn, {"error": f"cannot exec: {exc}"})
                 return
             self.execs[ex.pid] = ex
@@ -345,28 +480,62 @@ class Supervisor:
                 break
             for key, _ in self.sel.select(timeout):
                 what, ex, kind = key.data
-                if what == "accept":
-                    self.on_accept()
-                elif what == "signal":
-                    try:
-                        os.read(self.wakeup, 512)
-                    except BlockingIOError:
-                        pass
-                    self.reap()
-                elif what == "request":
-                    self.on_request_data(key.fileobj)  # type: ignore[arg-type]
-                elif what == "host":
-                    self.on_host(ex)
-                elif what == "pipe":
-                    ex.on_pipe(key.fd, kind)
-                elif what == "stdin":
-                    ex.flush_stdin()
+                try:
+                    self.dispatch(key, what, ex, kind)
+                except Exception as exc:  # noqa: BLE001 - one bad connection never ends the session
+                    print(f"supervisor: {what}: {exc!r}", file=sys.stderr, flush=True)
+                    self.drop(key, ex)
         for ex in list(self.execs.values()):
             ex.kill()
         return self.stop_code
 
+    def drop(self, key: selectors.SelectorKey, ex: Exec | None) -> None:
+        """Forget a connection whose handler failed: kill its exec, close it."""
+        if ex is not None:
+            ex.kill()
+        try:
+            self.sel.unregister(key.fileobj)
+        except (KeyError, ValueError):
+            pass
+        self.pending.pop(key.fd, None)
+        if isinstance(key.fileobj, socket.socket) and key.fileobj is not self.listener:
+            key.fileobj.close()
+
+    def dispatch(self, key: selectors.SelectorKey, what: str, ex: Exec | None, kind: bytes | None) -> None:
+        if what == "accept":
+            self.on_accept()
+        elif what == "signal":
+            try:
+                os.read(self.wakeup, 512)
+            except BlockingIOError:
+                pass
+            self.reap()
+        elif what == "request":
+            self.on_request_data(key.fileobj)  # type: ignore[arg-type]
+        elif what == "host":
+            self.on_host(ex)
+        elif what == "pipe":
+            ex.on_pipe(key.fd, kind)
+        elif what == "stdin":
+            ex.flush_stdin()
+
+
+def launch(request_json: str) -> int:
+    """One-shot sandboxes: guard the workspace paths, then become bwrap (tini stays the parent)."""
+    try:
+        request = json.loads(request_json)
+        argv, opened = prepare(request)
+    except GuardError as exc:
+        print(f"sandman: refused: {exc}", file=sys.stderr, flush=True)
+        return REFUSED_EXIT
+    place_fds(opened)
+    os.execve(argv[0], argv, {str(k): str(v) for k, v in (request.get("env") or {}).items()})
+    return 127  # pragma: no cover - execve does not return
+
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--launch":
+        return launch(sys.argv[2])
     parser = argparse.ArgumentParser(description="sandman session supervisor")
     parser.add_argument("--socket", required=True)
     parser.add_argument("--idle", type=float, default=None)

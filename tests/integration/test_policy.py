@@ -185,6 +185,11 @@ def test_campaign_policy_may_tighten_but_not_loosen(
     refused = run(ws, cli_env, "ls")
     assert refused.returncode == 126 and "'ls' is not in the allowlist" in refused.stderr
     (ws / ".sandman" / "policy.toml").write_text('[resources]\nmemory = "64g"\n')
+    changed = run(ws, cli_env, "true")  # a changed campaign needs the operator's acceptance first
+    assert changed.returncode == 4 and "changed since they were last accepted" in changed.stderr
+    assert '+memory = "64g"' in changed.stderr
+    accepted = sandman("campaign", "accept", "-w", str(ws), env=cli_env)
+    assert accepted.returncode == 0 and "accepted the campaign files" in accepted.stdout, accepted.stderr
     looser = run(ws, cli_env, "true")
     assert looser.returncode == 4
     assert "policy.toml: key 'resources.memory': a campaign may only tighten" in looser.stderr

@@ -33,7 +33,9 @@ TEST_KIND = "minimality"
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     parent = tmp_path_factory.mktemp("minimality")
     parent.chmod(0o755)
-    return make_workspace(parent / "ws"), make_workspace(parent / "run")
+    run = make_workspace(parent / "run")
+    make_workspace(run / "control")  # the one runtime subdir a sandbox container writes
+    return make_workspace(parent / "ws"), run
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sandman.bwrap import BwrapSpec, ProbeFailure, base_env, bwrap_argv, classify_probe, probe_fix
+from sandman.bwrap import BwrapSpec, ProbeFailure, base_env, bwrap_argv, classify_probe, guard_request, probe_fix
 
 
 def test_bwrap_argv_exact_output() -> None:
@@ -83,25 +83,41 @@ def test_probe_success_is_not_a_failure() -> None:
 
 
 def test_masks_protected_paths_and_private_env_file() -> None:
-    argv = bwrap_argv(
-        BwrapSpec(
-            command=["true"],
-            env={"PATH": "/usr/bin"},
-            masks=[("/workspace/.env", False), ("/workspace/.ssh", True)],
-            read_only=["/workspace/.git/hooks"],
-            env_file="/run/sandman/env/abc.env",
-            ro_binds=(),
-        )
+    spec = BwrapSpec(
+        command=["true"],
+        env={"PATH": "/usr/bin"},
+        masks=[("/workspace/.env", False), ("/workspace/.ssh", True)],
+        read_only=["/workspace/.git/hooks"],
+        pinned=["/workspace/.git"],
+        env_file="/run/sandman/env/abc.env",
+        ro_binds=(),
     )
+    argv = bwrap_argv(spec)
     tail = argv[argv.index("/workspace") + 2 :]
+    # Workspace paths are never bind sources by name: the launcher's descriptors, pinned first.
     assert tail == [
+        "--bind", "/proc/self/fd/3", "/workspace/.git",
+        "--ro-bind", "/proc/self/fd/4", "/workspace/.git/hooks",
         "--ro-bind", "/run/sandman/empty", "/workspace/.env",
         "--tmpfs", "/workspace/.ssh", "--remount-ro", "/workspace/.ssh",
-        "--ro-bind", "/workspace/.git/hooks", "/workspace/.git/hooks",
         "--ro-bind", "/run/sandman/env/abc.env", "/run/sandman-env",
         "--remount-ro", "/",
         "--chdir", "/workspace",
         "--setenv", "PATH", "/usr/bin",
         "--setenv", "SANDMAN_ENV_FILE", "/run/sandman-env",
+        "--setenv", "SANDMAN_GUARD", "@SANDMAN_GUARD@",
         "--", "/usr/lib/sandman/sandbox-exec", "true",
     ]  # fmt: skip
+    assert guard_request(spec) == {
+        "workspace": "/workspace",
+        "open": [[".git", "rw"], [".git/hooks", "ro"]],
+        "check": [[".env", "mask"], [".ssh", "mask"]],
+    }
+
+
+def test_private_tmp_and_home_are_the_execs_own_dirs() -> None:
+    argv = bwrap_argv(BwrapSpec(command=["true"], tmp_source="/tmp/.x", home_source="/home/agent/.x"))
+    assert argv[argv.index("/tmp") - 2 : argv.index("/tmp") + 1] == ["--bind", "/tmp/.x", "/tmp"]
+    i = argv.index("/home/agent/.x")
+    assert argv[i - 1 : i + 2] == ["--bind", "/home/agent/.x", "/home/agent"]
+    assert "SANDMAN_GUARD" not in argv  # nothing guarded: nothing to check

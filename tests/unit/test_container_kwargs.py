@@ -30,6 +30,7 @@ def spec(**changes: object) -> ContainerSpec:
         ),
         seccomp_profile='{"defaultAction": "SCMP_ACT_ERRNO"}',
         state_id="0123abcd4567",
+        trusted_dir="/run/user/1000/sandman/lib-x",
     )
     base.update(changes)
     return ContainerSpec(**base)  # type: ignore[arg-type]
@@ -79,12 +80,21 @@ def test_container_kwargs_exact_output() -> None:
             "LogConfig": {"Type": "json-file", "Config": {"max-size": "10m", "max-file": "2"}},
             "Mounts": [
                 {"Target": "/workspace", "Source": "/home/u/proj", "Type": "bind", "ReadOnly": False},
+                # The host's runtime dir is read-only inside, but for the supervisor's socket dir;
+                # sandman's own programs come from the host, read-only, over the image's copy.
                 {
                     "Target": "/run/sandman",
                     "Source": "/run/user/1000/sandman/sm-123",
                     "Type": "bind",
+                    "ReadOnly": True,
+                },
+                {
+                    "Target": "/run/sandman/control",
+                    "Source": "/run/user/1000/sandman/sm-123/control",
+                    "Type": "bind",
                     "ReadOnly": False,
                 },
+                {"Target": "/usr/lib/sandman", "Source": "/run/user/1000/sandman/lib-x", "Type": "bind", "ReadOnly": True},
             ],
             "IpcMode": "private",
             "Runtime": "runc",

@@ -74,7 +74,6 @@ def test_denied_by_default_rules(rel: str, rule: str) -> None:
         ".env.template",
         "environment.py",
         "env",
-        ".envrc",
         "keys.txt",
         "src/keymap.py",
         "id_rsa.pub",
@@ -82,8 +81,6 @@ def test_denied_by_default_rules(rel: str, rule: str) -> None:
         ".git/configs",  # anchored glob, whole component: .git/config only
         "sub/.git/config",  # anchored at the workspace root; a nested repo's config is not the host's
         ".git/HEAD",
-        "Secret.txt",  # case-sensitive
-        "SERVER.PEM",
         "",
         ".",
     ],
@@ -124,7 +121,18 @@ def test_a_single_string_is_not_taken_for_a_list_of_globs() -> None:
 
 
 def test_protected_paths_are_exported() -> None:
-    assert DEFAULT_PROTECTED == (".git/hooks", ".git/config")
+    assert {".git/hooks", ".git/config", ".git/commondir", ".sandman", "**/.git/config"} <= set(DEFAULT_PROTECTED)
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [".ENV", "KEY.PEM", "Secret.txt", "SERVER.PEM", ".Env.Production", "ID_RSA", ".envrc", "id_ecdsa",
+     "id_ed25519", ".aws/credentials", "a/.aws/credentials", ".git-credentials", ".npmrc", ".netrc",
+     ".pypirc", "cert.p12", "cert.PFX", "prod.tfstate", "prod.tfstate.backup", ".docker/config.json",
+     ".kube/config"],
+)
+def test_denied_whatever_the_case_and_the_widened_list(rel: str) -> None:
+    assert denied_by(rel) is not None
 
 
 @pytest.mark.parametrize(
@@ -292,7 +300,7 @@ def test_find_denied_on_a_real_tree(tmp_path: Path) -> None:
     root.mkdir()
     _tree(root)
     scan = find_denied(root)
-    found = {(p.relative_to(scan.root).as_posix(), is_dir) for p, is_dir in scan.paths}
+    found = {(d.path.relative_to(scan.root).as_posix(), d.is_dir) for d in scan.paths}
     assert found == {
         (".env", False),
         ("src/config/credentials.json", False),
@@ -303,17 +311,19 @@ def test_find_denied_on_a_real_tree(tmp_path: Path) -> None:
         ("lib/.env.local", False),
         ("lib/api.key", True),
         ("id_ed25519", False),  # a symlink: is_dir False, never followed
+        ("node_modules/my_password_dir", True),  # node_modules is walked too: secrets hide anywhere
+        ("node_modules/pkg/.env", False),
     }
-    # node_modules and .git/objects are checked by name but not walked into: what is inside them
-    # (node_modules/my_password_dir, node_modules/pkg/.env) is not reported.
-    assert not any("node_modules/" in str(p) or "objects/" in str(p) for p, _ in scan.paths)
+    assert [d.is_link for d in scan.paths if d.path.name == "id_ed25519"] == [True]
+    # .git/objects is not walked into (object files have hex names).
+    assert not any("objects/" in str(d.path) for d in scan.paths)
     assert not scan.truncated
     assert scan.unreadable == ()
     assert all(isinstance(d, Denied) for d in scan.paths)
     assert scan.root == root.resolve()
 
 
-def test_find_denied_stops_at_the_limit_breadth_first(tmp_path: Path) -> None:
+def test_find_denied_says_when_the_limit_cut_it_short(tmp_path: Path) -> None:
     root = tmp_path / "ws"
     (root / "deep" / "deeper").mkdir(parents=True)
     for i in range(50):
@@ -321,11 +331,28 @@ def test_find_denied_stops_at_the_limit_breadth_first(tmp_path: Path) -> None:
     (root / "deep" / "deeper" / "z.pem").write_text("x")
     (root / ".env").write_text("x")
     scan = find_denied(root, limit=10)
-    assert scan.truncated and scan.scanned == 10
-    assert [p.name for p, _ in scan.paths] == [".env"]  # shallow entries come first
+    assert scan.truncated  # callers fail closed on this
     full = find_denied(root, limit=1000)
     assert not full.truncated and full.scanned == 54
-    assert {p.name for p, _ in full.paths} == {".env", "z.pem"}
+    assert {d.path.name for d in full.paths} == {".env", "z.pem"}
+
+
+def test_a_rescan_sees_changes_and_keeps_listings_of_unchanged_dirs(tmp_path: Path) -> None:
+    from sandman.paths import WorkspaceScanner
+
+    root = tmp_path / "ws"
+    (root / "a" / "b").mkdir(parents=True)
+    old = time.time() - 60
+    for d in (root / "a" / "b", root / "a", root):
+        os.utime(d, (old, old))
+    scanner = WorkspaceScanner(root)
+    assert scanner.scan().paths == ()
+    (root / "a" / "b" / "credentials.json").write_text("x")  # changes b's mtime: b is listed again
+    assert [d.path.name for d in scanner.scan().paths] == ["credentials.json"]
+    (root / "a").rename(root / "moved")
+    assert [d.path.relative_to(root.resolve()).as_posix() for d in scanner.scan().paths] == [
+        "moved/b/credentials.json"
+    ]
 
 
 def test_find_denied_through_a_symlinked_workspace(tmp_path: Path) -> None:
@@ -336,7 +363,7 @@ def test_find_denied_through_a_symlinked_workspace(tmp_path: Path) -> None:
     link.symlink_to(root)
     scan = find_denied(link)
     assert scan.root == root.resolve()
-    assert scan.paths == (Denied(root.resolve() / ".env", False),)
+    assert scan.paths == (Denied(root.resolve() / ".env", False),)  # nlink 1, not a link
 
 
 def test_find_denied_on_20k_files_is_fast(tmp_path: Path) -> None:
@@ -351,7 +378,7 @@ def test_find_denied_on_20k_files_is_fast(tmp_path: Path) -> None:
     scan = find_denied(root, limit=50_000)
     elapsed = time.perf_counter() - start
     assert scan.scanned == 200 * 2 + 200 * 100 + 1
-    assert [p.name for p, _ in scan.paths] == [".env"]
+    assert [d.path.name for d in scan.paths] == [".env"]
     # Generous for slow CI machines; measured about 0.1 s on a laptop-class host.
     assert elapsed < 5.0, f"find_denied took {elapsed:.2f}s on {scan.scanned} entries"
     if os.environ.get("SANDMAN_PRINT_TIMINGS"):
