@@ -3,7 +3,8 @@
 The sandbox's ``gh`` shim sends its argv here; gh-restricted decides (reads from a fixed list,
 draft PRs on allowed repos, edits and comments only on PRs this session created) and runs the
 real ``gh`` with an argv rebuilt from the decision. The GitHub token is a host secret named in the
-helper's config; it exists only in that gh process's environment.
+helper's config; it exists only in that gh process's environment. In ``draft-prs`` mode a PR's
+head must be a branch this session pushed through git-push (its ``git.pushed`` audit events).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from sandman.ghrestricted import GhConfig, GhError, GhRefused, evaluate, execute
-from sandman.helpers import Helper, HelperContext, HelperError, HelperResult, _Config
+from sandman.helpers import GitPushConfig, GitPushHelper, Helper, HelperContext, HelperError, HelperResult, _Config
 
 
 class GhHelperConfig(_Config):
@@ -34,10 +35,12 @@ class GhHelper(Helper):
     async def run(self, args: list[str], stdin: str | None, ctx: HelperContext) -> HelperResult:
         cfg = self.config
         assert isinstance(cfg, GhHelperConfig)
-        gh_config = GhConfig(mode=cfg.mode, allowed_repos=cfg.allowed_repos, host=cfg.host)
-        decision = evaluate(args, gh_config, ctx.created_prs)
+        creates = cfg.mode == "draft-prs" and args[:1] == ["pr"] and args[1:2] in (["create"], ["new"])
+        pushed, prefix = await asyncio.to_thread(self._pushed, ctx) if creates else (None, None)
+        gh_config = GhConfig(mode=cfg.mode, allowed_repos=cfg.allowed_repos, host=cfg.host, head_prefix=prefix)
+        decision = evaluate(args, gh_config, ctx.created_prs, pushed)
         if not decision.allowed:
-            raise HelperError(decision.message)
+            raise HelperError(f"{decision.message} (rule: {decision.rule.value})")
         token = self.settings.secrets.get(cfg.token_secret)
         if token is None:
             raise HelperError(f"gh: the host has no secret {cfg.token_secret!r} (settings [secrets])")
@@ -54,3 +57,14 @@ class GhHelper(Helper):
             if ctx.record is not None:
                 ctx.record("gh.pr_created", repo=pr[0], number=pr[1])
         return HelperResult(result.exit_code, result.stdout, result.stderr, result.truncated)
+
+    def _pushed(self, ctx: HelperContext) -> tuple[set[str] | None, str]:
+        """The branches this session pushed (None when the record cannot be read), and git-push's
+        branch prefix: the rule for a PR's head when there is no record."""
+        pushed = GitPushHelper.pushed_branches(self.settings, ctx.session_id)
+        policy = ctx.policy or GitPushHelper.session_policy(self.settings, ctx.session_id)
+        raw = policy.upcalls.helpers.get(GitPushHelper.name) if policy is not None else None
+        prefix = GitPushConfig.model_fields["branch_prefix"].default
+        if isinstance(raw, dict) and isinstance(raw.get("branch_prefix"), str):
+            prefix = raw["branch_prefix"]
+        return pushed, prefix

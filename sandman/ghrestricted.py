@@ -55,6 +55,7 @@ class Rule(StrEnum):
     BAD_VALUE = "bad-value"
     BAD_ARGUMENT = "bad-argument"
     NOT_SESSION_PR = "not-session-pr"
+    HEAD_NOT_PUSHED = "head-not-pushed"
 
 
 class GhRefused(SandmanError):
@@ -75,9 +76,9 @@ class GhError(SandmanError):
 
 # ----- configuration and models ---------------------------------------------------------------------
 
-_OWNER = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})$")
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
-_HOST = re.compile(r"^[a-z0-9](?:[a-z0-9.-]{0,252})(?::[0-9]{1,5})?$")
+_OWNER = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})\Z")
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}\Z")
+_HOST = re.compile(r"^[a-z0-9](?:[a-z0-9.-]{0,252})(?::[0-9]{1,5})?\Z")
 
 
 def _valid_repo_name(owner: str, name: str) -> bool:
@@ -92,6 +93,9 @@ class GhConfig(BaseModel):
     mode: Mode = "read-only"
     allowed_repos: list[str] = []  # "owner/name"; empty: reads may target any repo, writes none
     host: str = "github.com"  # GitHub Enterprise / test servers: "ghe.example.com" or "localhost:8443"
+    # 'pr create --head' must start with this when the caller has no record of the session's pushes
+    # (decide's pushed_heads is None); None: no prefix rule. The gh upcall helper always sets both.
+    head_prefix: str | None = None
 
     @field_validator("allowed_repos")
     @classmethod
@@ -200,8 +204,13 @@ class GhResult(BaseModel):
 #   'run list/view', 'release list/view'; they must target an allowed repo when 'allowed_repos' is set.
 # * Writes ('draft-prs' mode only, repo in 'allowed_repos'): 'pr create' is always a draft
 #   ('--draft' is forced, '--draft=false' refused) and needs '--title', '--body' and '--head'
-#   ('--fill' is refused: it reads commits from the host's checkout, not the sandbox's); 'pr edit N'
-#   ('--title'/'--body'/'--base') and 'pr comment N --body' only on PRs this session created.
+#   ('--fill' is refused: it reads commits from the host's checkout, not the sandbox's); the head
+#   must be a branch this session pushed through git-push ('head-not-pushed'; without a record of
+#   the pushes, one under 'head_prefix'); 'pr edit N' ('--title'/'--body'/'--base') and
+#   'pr comment N --body' only on PRs this session created.
+# * Filter values that gh puts into a search query ('--label', '--milestone', logins, branches)
+#   may not carry search syntax: no ':' qualifiers, parentheses, quotes or control characters
+#   (gh quotes a value only when it holds whitespace, so '(repo:evil/secret)' would pass unquoted).
 #
 # The repo comes from '--repo/-R' ('OWNER/REPO', 'HOST/OWNER/REPO' or 'https://HOST/OWNER/REPO' on
 # the configured host), or is the only entry of 'allowed_repos'; gh is never left to guess it from a git
@@ -498,7 +507,7 @@ WRITES = tuple(" ".join(c) for c, s in SPECS.items() if s.kind == "write")
 
 _TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})  # Go's strconv.ParseBool
 _FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
-_INT = re.compile(r"^[+-]?(?:0|[1-9][0-9]{0,8})$")
+_INT = re.compile(r"^[+-]?(?:0|[1-9][0-9]{0,8})\Z")
 
 
 def _lookup_long(spec: CommandSpec, name: str, command: str) -> FlagSpec:
@@ -625,15 +634,14 @@ def parse_gh_args(argv: list[str]) -> GhRequest:
 # ----- policy -------------------------------------------------------------------------------------------
 
 _BRANCH_BAD = re.compile(r"(^[-/.])|(\.\.)|(//)|(@\{)|([/.]$)|(\.lock$)|(/\.)")
-_BRANCH_OK = re.compile(r"^[A-Za-z0-9._/+-]{1,255}$")
-_TAG_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/+-]{0,127}$")
-_LOGIN_OK = re.compile(r"^@?[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})(?:\[bot\])?$")
-_LABEL_OK = re.compile(r"^[^\x00-\x1f\"\\]{1,100}$")
-_QUALIFIER = re.compile(r"(?:^|\s)[A-Za-z-]+\s*:")  # "repo:x", "org: y" inside a filter value
-_WORKFLOW_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._ -]{0,99}$")
-_JSON_FIELD = re.compile(r"^[A-Za-z]{1,64}$")
-_SELECTOR = re.compile(r"^#?([1-9][0-9]{0,11})$")
-_DIGITS = re.compile(r"^[1-9][0-9]{0,19}$")
+_BRANCH_OK = re.compile(r"^[A-Za-z0-9._/+-]{1,255}\Z")
+_TAG_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/+-]{0,127}\Z")
+_LOGIN_OK = re.compile(r"^@?[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})(?:\[bot\])?\Z")
+_LABEL_OK = re.compile(r"[^\x00-\x1f\x7f\"\\:()]{1,100}")  # fullmatch; no search syntax (see Policy)
+_WORKFLOW_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._ -]{0,99}\Z")
+_JSON_FIELD = re.compile(r"^[A-Za-z]{1,64}\Z")
+_SELECTOR = re.compile(r"^#?([1-9][0-9]{0,11})\Z")
+_DIGITS = re.compile(r"^[1-9][0-9]{0,19}\Z")
 
 
 def _branch(value: str, flag: str) -> str:
@@ -717,10 +725,12 @@ def _check_filter(name: str, value: FlagValue) -> FlagValue:
         _branch(value, f"--{name}")
     elif name in ("label", "milestone"):
         for item in value if isinstance(value, tuple) else (str(value),):
-            if not _LABEL_OK.match(item) or _QUALIFIER.search(item) or "," in item:
+            if not _LABEL_OK.fullmatch(item) or "," in item:
                 raise GhRefused(
                     Rule.BAD_VALUE,
-                    f"--{name} {item!r} is not allowed (no quotes, commas, control characters or 'word:' qualifiers)",
+                    f"--{name} {item!r} is not allowed: gh puts it into a search query, so no ':', parentheses, "
+                    "quotes, commas or control characters (list without it and filter the --json "
+                    "output in the sandbox)",
                 )
     elif name == "workflow":
         if not isinstance(value, str) or not _WORKFLOW_OK.match(value):
@@ -778,7 +788,12 @@ def _is_session_pr(repo: str, number: int, config: GhConfig, session_prs: Collec
     return len(config.allowed_repos) == 1 and number in session_prs
 
 
-def _decide(req: GhRequest, config: GhConfig, session_prs: Collection[int | tuple[str, int]]) -> GhAction:
+def _decide(
+    req: GhRequest,
+    config: GhConfig,
+    session_prs: Collection[int | tuple[str, int]],
+    pushed_heads: Collection[str] | None = None,
+) -> GhAction:
     command = " ".join(req.command)
     for size in (1, 2):
         reason = NEVER.get(req.command[:size]) if len(req.command) >= size else None
@@ -818,12 +833,8 @@ def _decide(req: GhRequest, config: GhConfig, session_prs: Collection[int | tupl
         head = flags.get("head")
         if not isinstance(head, str):
             raise GhRefused(Rule.MISSING_VALUE, "--head BRANCH is required (the branch pushed for this PR)")
-        out: dict[str, FlagValue] = {
-            "title": title or "",
-            "body": body or "",
-            "draft": True,
-            "head": _branch(head, "--head"),
-        }
+        _check_head(_branch(head, "--head"), config, pushed_heads)
+        out: dict[str, FlagValue] = {"title": title or "", "body": body or "", "draft": True, "head": head}
         if "base" in flags:
             out["base"] = _branch(str(flags["base"]), "--base")
         return GhAction(command=cmd, kind="write", repo=repo, flags=out)
@@ -850,11 +861,34 @@ def _decide(req: GhRequest, config: GhConfig, session_prs: Collection[int | tupl
     return GhAction(command=cmd, kind="write", repo=repo, number=number, flags=out)
 
 
-def decide(req: GhRequest, config: GhConfig, session_prs: Collection[int | tuple[str, int]]) -> Decision:
+def _check_head(head: str, config: GhConfig, pushed_heads: Collection[str] | None) -> None:
+    if pushed_heads is not None:
+        if head not in pushed_heads:
+            listed = ", ".join(sorted(pushed_heads)) or "none yet"
+            raise GhRefused(
+                Rule.HEAD_NOT_PUSHED,
+                f"--head {head!r} is not a branch this session pushed (push it first with "
+                f"'sandman-upcall git-push'; pushed: {listed})",
+            )
+    elif config.head_prefix is not None and not head.startswith(config.head_prefix):
+        raise GhRefused(
+            Rule.HEAD_NOT_PUSHED,
+            f"--head {head!r} is not a branch pushed through git-push (those start with {config.head_prefix!r})",
+        )
+
+
+def decide(
+    req: GhRequest,
+    config: GhConfig,
+    session_prs: Collection[int | tuple[str, int]],
+    pushed_heads: Collection[str] | None = None,
+) -> Decision:
     """Apply the policy. ``session_prs`` holds the PRs this session created: ``(repo, number)`` pairs, or
-    bare numbers, which count only when ``allowed_repos`` has exactly one entry."""
+    bare numbers, which count only when ``allowed_repos`` has exactly one entry. ``pushed_heads``: the
+    remote branches this session pushed, the only heads 'pr create' accepts; None when the caller keeps
+    no such record (then ``config.head_prefix``, if set, is the rule)."""
     try:
-        action = _decide(req, config, session_prs)
+        action = _decide(req, config, session_prs, pushed_heads)
     except GhRefused as refused:
         return Decision(allowed=False, rule=refused.rule, message=str(refused), command=req.command)
     what = f"{action.kind} '{' '.join(action.command)}' on {action.repo}"
@@ -867,19 +901,24 @@ def decide(req: GhRequest, config: GhConfig, session_prs: Collection[int | tuple
     )
 
 
-def evaluate(argv: list[str], config: GhConfig, session_prs: Collection[int | tuple[str, int]]) -> Decision:
+def evaluate(
+    argv: list[str],
+    config: GhConfig,
+    session_prs: Collection[int | tuple[str, int]],
+    pushed_heads: Collection[str] | None = None,
+) -> Decision:
     """``parse_gh_args`` then ``decide``, with a parse refusal turned into a refused Decision."""
     try:
         req = parse_gh_args(argv)
     except GhRefused as refused:
         words = [a for a in argv[:2] if not a.startswith("-")]
         return Decision(allowed=False, rule=refused.rule, message=str(refused), command=tuple(words))
-    return decide(req, config, session_prs)
+    return decide(req, config, session_prs, pushed_heads)
 
 
 # ----- execution --------------------------------------------------------------------------------------
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _RESERVED_ENV = frozenset({"PATH", "HOME", "NO_COLOR", "GIT_CEILING_DIRECTORIES", "GIT_CONFIG_NOSYSTEM"})
 _RESERVED_PREFIXES = ("GH_", "GITHUB_", "GIT_", "LD_")
 

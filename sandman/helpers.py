@@ -10,11 +10,13 @@ timeout and bounded output.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import fnmatch
 import os
 import re
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,7 @@ class HelperContext:
     settings: Settings
     created_prs: set[int | tuple[str, int]] = field(default_factory=set)  # (repo, number) this session made
     record: Callable[..., None] | None = None  # writes an audit event for this session
+    policy: Policy | None = None  # the session's effective policy (git-push's deny list); None: read the record
 
 
 class _Config(BaseModel):
@@ -90,6 +93,30 @@ async def run_process(
         cwd=cwd,
         start_new_session=True,
     )
+    with _LIVE_LOCK:
+        _LIVE_GROUPS.add(proc.pid)
+    try:
+        return await _collect(proc, stdin, timeout)
+    finally:
+        with _LIVE_LOCK:
+            _LIVE_GROUPS.discard(proc.pid)
+
+
+_LIVE_GROUPS: set[int] = set()  # process groups run_process started and has not yet reaped
+_LIVE_LOCK = threading.Lock()
+
+
+def kill_live_groups() -> int:
+    """Kill every helper process group still running: a relay that stops leaves none behind."""
+    with _LIVE_LOCK:
+        groups = list(_LIVE_GROUPS)
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, 9)
+    return len(groups)
+
+
+async def _collect(proc: asyncio.subprocess.Process, stdin: str | None, timeout: float) -> HelperResult:
     truncated = False
 
     async def read(stream: asyncio.StreamReader | None) -> bytes:
@@ -110,15 +137,100 @@ async def run_process(
                 await proc.stdin.drain()
                 proc.stdin.close()
 
+    gathered = asyncio.gather(read(proc.stdout), read(proc.stderr), feed())
+    # When cancelled, the gathered future's outcome is never asked for: say it is handled.
+    gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
     try:
-        out, err, _ = await asyncio.wait_for(asyncio.gather(read(proc.stdout), read(proc.stderr), feed()), timeout)
+        out, err, _ = await asyncio.wait_for(gathered, timeout)
         code = await asyncio.wait_for(proc.wait(), timeout)
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
         await proc.wait()
         return HelperResult(124, "", f"helper timed out after {timeout:.0f}s", True)
+    except BaseException:  # cancelled (the relay's deadline) or failed: nothing is left running
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        with contextlib.suppress(BaseException):  # reaped here, not by a loop that may be gone
+            await asyncio.wait_for(proc.wait(), 5)
+        raise
     return HelperResult(code, out.decode(errors="replace"), err.decode(errors="replace"), truncated)
+
+
+class HelperThreads:
+    """Where one relay's helper calls run: threads that each run an event loop of their own.
+
+    Whatever a helper does -- a synchronous read of a FIFO the agent made, a CPU-bound parse, a
+    loop that never awaits -- it blocks only its thread, never the relay's loop nor another call.
+    On ``timeout`` the helper's task is cancelled, which kills the processes ``run_process``
+    started. A helper stuck in a blocking call cannot be cancelled: its thread is busy until that
+    call returns, and the caller counts it as in progress until then (the per-session budget of
+    pending calls). Threads and loops are reused: a call costs no thread start."""
+
+    KEEP = 16  # idle threads kept (those running are bounded by the relay's pending-calls budget)
+
+    def __init__(self, name: str, report: Callable[[str], None] | None = None) -> None:
+        self.name = name
+        self.report = report  # one line per event-loop error (never a traceback per line)
+        self.lock = threading.Lock()
+        self.idle: list[asyncio.AbstractEventLoop] = []
+        self.running: set[concurrent.futures.Future[HelperResult]] = set()
+        self.closed = False
+
+    def _spawn(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.new_event_loop()
+        if self.report is not None:
+            report = self.report
+            loop.set_exception_handler(
+                lambda _loop, c: report(f"helper loop: {c.get('message')}: {c.get('exception')!r}"[:500])
+            )
+
+        def main() -> None:
+            asyncio.set_event_loop(loop)
+            loop.run_forever()  # not closed after: a child watcher may still call it
+
+        threading.Thread(target=main, name=f"helper-{self.name}", daemon=True).start()
+        return loop
+
+    def submit(
+        self, helper: Helper, args: list[str], stdin: str | None, ctx: HelperContext, timeout: float
+    ) -> concurrent.futures.Future[HelperResult]:
+        """Start one call; the future gets its result or its exception."""
+        with self.lock:
+            loop = self.idle.pop() if self.idle else None
+        if loop is None:
+            loop = self._spawn()
+
+        async def bounded() -> HelperResult:
+            return await asyncio.wait_for(helper.run(args, stdin, ctx), timeout)
+
+        future = asyncio.run_coroutine_threadsafe(bounded(), loop)
+        with self.lock:
+            self.running.add(future)
+
+        def release(_: concurrent.futures.Future[HelperResult]) -> None:
+            with self.lock:
+                self.running.discard(future)
+                if not self.closed and len(self.idle) < self.KEEP:
+                    self.idle.append(loop)
+                    return
+            loop.call_soon_threadsafe(loop.stop)
+
+        future.add_done_callback(release)
+        return future
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Cancel the calls in progress (their processes are killed) and stop the threads."""
+        with self.lock:
+            self.closed = True
+            idle, self.idle = self.idle, []
+            running = list(self.running)
+        for future in running:
+            future.cancel()
+        concurrent.futures.wait(running, timeout)
+        for loop in idle:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(loop.stop)
 
 
 class NoopHelper(Helper):
@@ -126,6 +238,7 @@ class NoopHelper(Helper):
 
     name = "noop"
     description = "echo the arguments back (health check)"
+    inline = True  # no I/O; its work is bounded by the frame size
 
     async def run(self, args: list[str], stdin: str | None, ctx: HelperContext) -> HelperResult:
         return HelperResult(0, " ".join(args) + ("\n" if args else ""), "")
@@ -133,7 +246,10 @@ class NoopHelper(Helper):
 
 # -- git-push -----------------------------------------------------------------------------------
 
-_REF = re.compile(r"^(?!.*\.\.)(?!.*@\{)(?!/)(?!.*//)(?!.*\.lock$)[A-Za-z0-9._/-]{1,200}(?<![./])$")
+# A branch name, matched against the whole string (re.fullmatch; no "$" that lets a newline through).
+_REF = re.compile(r"(?!.*\.\.)(?!.*@\{)(?!/)(?!.*//)(?!.*\.lock\Z)[A-Za-z0-9._/-]{1,200}(?<![./])")
+# For the host-side git (remote fetch, push) that reads only the controller's bare repository; the
+# git that reads the workspace runs in sandman.gitjail with its own, stricter set.
 HARDENED_GIT = [
     "-c", "core.hooksPath=/dev/null",
     "-c", "core.fsmonitor=false",
@@ -142,7 +258,14 @@ HARDENED_GIT = [
     "-c", "core.sshCommand=ssh -o BatchMode=yes",
     "-c", "uploadpack.packObjectsHook=",
     "-c", "transfer.fsckObjects=true",
+    "-c", "fetch.unpackLimit=1",  # packs only: no loose-object directories owned by the controller
+    "-c", "gc.auto=0",
+    "-c", "maintenance.auto=false",
+    "-c", "http.followRedirects=false",
 ]  # fmt: skip
+MAX_PUSH_ERROR = 4000  # characters of git's error text shown to the agent
+MAX_CHECKED_PATHS = 16 << 20  # bytes of path names listed for the deny check
+_BARE_CONFIG = "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = true\n\tlogallrefupdates = false\n"
 
 
 class GitPushConfig(_Config):
@@ -155,15 +278,24 @@ class GitPushConfig(_Config):
 class GitPushHelper(Helper):
     """Push the workspace's branch to the allowed remote under the branch prefix; never force.
 
-    The agent's repository is never run: its objects are fetched into a controller-owned bare
-    repository with hardened git (no hooks, no fsmonitor, no ext protocol, no credential helper,
-    a private global config), and the push goes from there."""
+    The host never runs git on the agent's ``.git``: the branch is fetched into the session's
+    controller-owned bare repository by a git jailed with bubblewrap (``sandman.gitjail``: it sees
+    the workspace's ``.git``, read-only, and the bare repository, nothing else of the host). A
+    ``.git`` that is not a plain directory, or that borrows refs or objects from elsewhere
+    (``commondir``, alternates), is refused up front. Then the remote's branches are fetched into
+    the bare repository, every path added or modified by the commits the remote lacks is checked
+    against the session's deny list, and the push goes from the bare repository, never forced,
+    only under the branch prefix. A pushed branch is recorded (audit event ``git.pushed``): the gh
+    helper opens draft PRs only from those."""
 
     name = "git-push"
     description = "push the current (or a named) branch to the campaign's remote under the branch prefix"
     Config = GitPushConfig
 
     async def run(self, args: list[str], stdin: str | None, ctx: HelperContext) -> HelperResult:
+        from sandman import gitjail
+        from sandman.paths import denied_by
+
         cfg = self.config
         assert isinstance(cfg, GitPushConfig)
         forceful = [a for a in args if a.startswith("-") or a.startswith("+") or ":" in a]
@@ -172,52 +304,141 @@ class GitPushHelper(Helper):
         if len(args) > 1:
             raise HelperError("git-push: at most one argument, the local branch to push")
         git_dir = ctx.workspace.path / ".git"
-        if git_dir.is_symlink() or not git_dir.is_dir():
-            raise HelperError("git-push: the workspace's .git must be a directory inside the workspace")
-        branch = args[0] if args else _current_branch(git_dir)
-        if not _REF.match(branch):
+        try:
+            branch = args[0] if args else await asyncio.to_thread(_current_branch, git_dir)
+            await asyncio.to_thread(lambda: os.close(gitjail.open_git_dir(git_dir)))  # refuse early, clearly
+        except gitjail.GitJailError as exc:
+            raise HelperError(f"git-push: {exc}") from None
+        if not _REF.fullmatch(branch):
             raise HelperError(f"git-push: {branch!r} is not a valid branch name")
         dest = branch if branch.startswith(cfg.branch_prefix) else cfg.branch_prefix + branch
         for pattern in cfg.protected:
             if fnmatch.fnmatchcase(dest, pattern) or fnmatch.fnmatchcase(branch, pattern):
                 raise HelperError(f"git-push: {dest!r} is a protected branch ({pattern!r})")
-        if not dest.startswith(cfg.branch_prefix):
+        if not dest.startswith(cfg.branch_prefix) or not _REF.fullmatch(dest):
             raise HelperError(f"git-push: branches must start with {cfg.branch_prefix!r}")
+        deny, allow = await asyncio.to_thread(self._deny_rules, ctx)
+        root = os.geteuid() == 0
+        uid, gid = (ctx.workspace.uid, ctx.workspace.gid) if root else (None, None)
         bare = self.settings.state_dir / "git" / f"{ctx.session_id}.git"
         with tempfile.TemporaryDirectory(prefix="sandman-git-") as home:
-            env = self._env(home, ctx)
-            if not bare.exists():
-                bare.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                init = await run_process(["git", "init", "--bare", "-q", str(bare)], env=env, cwd=home)
-                if init.exit_code != 0:
-                    return init
-            fetch = await run_process(
-                ["git", *HARDENED_GIT, "-c", "protocol.file.allow=always", f"--git-dir={bare}", "fetch",
-                 "--no-tags", "--upload-pack=git-upload-pack", str(git_dir),
-                 f"+refs/heads/{branch}:refs/heads/{branch}"],
-                env=env, cwd=home,
-            )  # fmt: skip
+            env = self._env(home, bare)
+            try:
+                await asyncio.to_thread(_prepare_bare, bare, env, uid, gid)
+                fetch = await asyncio.to_thread(
+                    gitjail.run_git, git_dir,
+                    ["fetch", "--no-tags", "--no-write-fetch-head", "--update-shallow", gitjail.SOURCE,
+                     f"+refs/heads/{branch}:refs/heads/{branch}"],
+                    writable=bare, uid=uid, gid=gid, timeout=60,
+                )  # fmt: skip
+            except gitjail.GitJailError as exc:
+                raise HelperError(f"git-push: {exc}") from None
             if fetch.exit_code != 0:
-                return HelperResult(fetch.exit_code, fetch.stdout, f"git-push: fetch failed: {fetch.stderr}")
+                return HelperResult(fetch.exit_code, "", self._shown(f"git-push: fetch failed: {fetch.stderr}"))
             scheme = "file" if "://" not in cfg.remote else cfg.remote.split("://", 1)[0]
-            push = await run_process(
-                ["git", *HARDENED_GIT, "-c", "protocol.allow=never", "-c", f"protocol.{scheme}.allow=always",
-                 f"--git-dir={bare}", "push", "--no-verify", "--porcelain", cfg.remote,
-                 f"refs/heads/{branch}:refs/heads/{dest}"],
+            allow_remote = ["-c", "protocol.allow=never", "-c", f"protocol.{scheme}.allow=always"]
+            await asyncio.to_thread(_prepare_bare, bare, env, uid, gid)  # checked again after the jail wrote
+            remote = await run_process(
+                ["git", *HARDENED_GIT, *allow_remote, f"--git-dir={bare}", "fetch", "--no-tags", "--prune",
+                 "--no-write-fetch-head", cfg.remote, "+refs/heads/*:refs/remotes/origin/*"],
                 env=env, cwd=home,
             )  # fmt: skip
-        summary = f"pushed {branch} to {dest}\n" if push.exit_code == 0 else ""
-        return HelperResult(push.exit_code, summary + push.stdout, push.stderr, push.truncated)
+            if remote.exit_code != 0:
+                msg = f"git-push: cannot read the remote's branches: {remote.stderr}"
+                return HelperResult(remote.exit_code, "", self._shown(msg))
+            await asyncio.to_thread(_prepare_bare, bare, env, uid, gid)  # the fetch wrote as us: hand it back
+            try:
+                listed = await asyncio.to_thread(
+                    gitjail.run_git, bare,
+                    ["log", "--no-renames", "--diff-merges=dense-combined", "--name-only", "-z", "--format=",
+                     "--diff-filter=d", f"refs/heads/{branch}", "--not", "--remotes=origin", "--"],
+                    uid=uid, gid=gid, timeout=60, max_output=MAX_CHECKED_PATHS,
+                )  # fmt: skip
+            except gitjail.GitJailError as exc:
+                raise HelperError(f"git-push: {exc}") from None
+            if listed.exit_code != 0:
+                msg = f"git-push: cannot list the commits to push: {listed.stderr}"
+                return HelperResult(listed.exit_code, "", self._shown(msg))
+            if listed.truncated:
+                raise HelperError("git-push: refused: the push changes too many paths to check against the deny list")
+            for raw in dict.fromkeys(listed.stdout.split(b"\0")):
+                path = raw.decode("utf-8", "surrogateescape")
+                if path and (rule := denied_by(path, deny, allow)) is not None:
+                    shown = path.encode("utf-8", "replace").decode()
+                    raise HelperError(
+                        f"git-push: refused: a commit on {branch!r} adds or changes {shown!r}, which the "
+                        f"session's deny list covers ({rule!r}); remove it from the branch's history"
+                    )
+            push = await run_process(
+                ["git", *HARDENED_GIT, *allow_remote, f"--git-dir={bare}", "push", "--no-verify", "--porcelain",
+                 cfg.remote, f"refs/heads/{branch}:refs/heads/{dest}"],
+                env=env, cwd=home,
+            )  # fmt: skip
+        if push.exit_code != 0:
+            return HelperResult(push.exit_code, self._shown(push.stdout), self._shown(push.stderr), push.truncated)
+        if ctx.record is not None:
+            ctx.record("git.pushed", branch=dest, source=branch)
+        return HelperResult(0, f"pushed {branch} to {dest}\n" + self._shown(push.stdout), self._shown(push.stderr))
 
-    def _env(self, home: str, ctx: HelperContext) -> dict[str, str]:
+    def _shown(self, text: str) -> str:
+        """git's text on its way to the agent: the token removed, no control characters, capped."""
+        from sandman import gitjail
+
+        cfg = self.config
+        assert isinstance(cfg, GitPushConfig)
+        if cfg.token_secret and (token := self.settings.secrets.get(cfg.token_secret)) is not None:
+            text = text.replace(token.get_secret_value(), "[REDACTED]")
+        return gitjail.clean_error(text, MAX_PUSH_ERROR)
+
+    def _deny_rules(self, ctx: HelperContext) -> tuple[list[str], list[str]]:
+        """The session's filesystem deny and allow globs: from the context, else the policy the
+        session was recorded with, else the defaults."""
+        policy = ctx.policy or self.session_policy(self.settings, ctx.session_id) or Policy()
+        return list(policy.filesystem.deny), list(policy.filesystem.allow)
+
+    @staticmethod
+    def session_policy(settings: Settings, session_id: str) -> Policy | None:
+        """The effective policy a session was recorded with, or None."""
+        from sandman.state import StateStore
+
+        try:
+            store = StateStore(settings.state_dir)
+            try:
+                rec = store.get_session(session_id)
+            finally:
+                store.close()
+            if rec is None or rec.policy in ("", "{}"):
+                return None
+            return Policy.model_validate_json(rec.policy)
+        except Exception:  # a record from another version: the caller falls back to the defaults
+            return None
+
+    @staticmethod
+    def pushed_branches(settings: Settings, session_id: str) -> set[str] | None:
+        """The remote branches this session pushed (audit events ``git.pushed``); None when the
+        record cannot be read."""
+        from sandman.state import StateStore
+
+        try:
+            store = StateStore(settings.state_dir)
+            try:
+                events = store.events(session=session_id, limit=1_000_000)
+            finally:
+                store.close()
+        except Exception:
+            return None
+        return {str(e.detail.get("branch")) for e in events if e.event == "git.pushed" and e.verdict == "ok"}
+
+    def _env(self, home: str, bare: Path) -> dict[str, str]:
         cfg = self.config
         assert isinstance(cfg, GitPushConfig)
         gitconfig = Path(home) / ".gitconfig"
-        # The agent's repo belongs to another uid when the host runs as root: trust it for reading.
-        gitconfig.write_text(f"[safe]\n\tdirectory = {ctx.workspace.path}\n\tdirectory = {ctx.workspace.path}/.git\n")
+        # The bare repository belongs to the workspace owner when the controller is root.
+        gitconfig.write_text(f"[safe]\n\tdirectory = {bare}\n")
         env = {
             "PATH": SAFE_PATH, "HOME": home, "GIT_CONFIG_GLOBAL": str(gitconfig), "GIT_CONFIG_NOSYSTEM": "1",
             "GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "/bin/false", "SSH_ASKPASS": "/bin/false", "LANG": "C",
+            "GIT_NO_REPLACE_OBJECTS": "1",
         }  # fmt: skip
         if cfg.token_secret:
             token = self.settings.secrets.get(cfg.token_secret)
@@ -237,11 +458,70 @@ class GitPushHelper(Helper):
         return env
 
 
-def _current_branch(git_dir: Path) -> str:
+def _prepare_bare(bare: Path, env: Mapping[str, str], uid: int | None, gid: int | None) -> None:
+    import subprocess
+
     try:
-        head = (git_dir / "HEAD").read_text(encoding="utf-8", errors="replace").strip()
+        _prepare_bare_unchecked(bare, env, uid, gid)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise HelperError(f"git-push: the session's push repository cannot be prepared: {exc}") from None
+
+
+def _prepare_bare_unchecked(bare: Path, env: Mapping[str, str], uid: int | None, gid: int | None) -> None:
+    """Create the session's bare repository, or check it before host-side git reads it: the jail
+    may write into it, so it must hold no symlink, device or FIFO, nothing that borrows from
+    elsewhere (commondir, alternates, grafts), and the config is sandman's. When the controller is
+    root the repository is handed to the jail's uid (the workspace owner)."""
+    import shutil
+    import stat
+    import subprocess
+
+    if not bare.exists():
+        bare.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        subprocess.run(
+            ["git", "init", "--bare", "-q", str(bare)], env=dict(env), cwd=env["HOME"],
+            check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+        shutil.rmtree(bare / "hooks", ignore_errors=True)
+    st = bare.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise HelperError(f"git-push: the session's push repository {bare.name} is not a directory")
+    for name in ("commondir", "objects/info/alternates", "objects/info/http-alternates", "info/grafts"):
+        if os.path.lexists(bare / name):
+            raise HelperError(f"git-push: the session's push repository has {name}: refused (tampered with?)")
+    for top, dirs, files in os.walk(bare):
+        for name in (*dirs, *files):
+            path = os.path.join(top, name)
+            mode = os.lstat(path).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                rel = os.path.relpath(path, bare)
+                raise HelperError(f"git-push: the session's push repository holds {rel!r}, not a file: refused")
+            if uid is not None and gid is not None and name != "config":
+                os.lchown(path, uid, gid)
+    config = bare / "config"
+    tmp = bare / f"config.sandman-{os.urandom(6).hex()}"  # concurrent pushes each write their own
+    tmp.write_text(_BARE_CONFIG)
+    tmp.chmod(0o644)
+    tmp.replace(config)  # root-owned when the controller is root; the jail sees its own copy anyway
+    if uid is not None and gid is not None:
+        os.lchown(bare, uid, gid)
+
+
+def _current_branch(git_dir: Path) -> str:
+    """The branch ``.git/HEAD`` names: read without following a symlink, without blocking on a FIFO
+    or opening a device, at most 4 KiB. Blocking: call it off the event loop."""
+    from sandman import gitjail
+
+    try:
+        fd = os.open(git_dir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        raise HelperError("git-push: cannot read .git/HEAD") from None
+        raise HelperError("git-push: the workspace's .git must be a directory inside the workspace") from None
+    try:
+        head = gitjail.read_small(fd, "HEAD", 4096).decode("utf-8", "replace").strip()
+    except gitjail.GitJailError as exc:
+        raise HelperError(f"git-push: cannot read .git/HEAD ({exc})") from None
+    finally:
+        os.close(fd)
     if not head.startswith("ref: refs/heads/"):
         raise HelperError("git-push: HEAD is detached: name the branch to push")
     return head.removeprefix("ref: refs/heads/")
