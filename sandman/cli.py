@@ -97,9 +97,7 @@ def app() -> None:
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 @workspace_option("Project directory, mounted read-write at /workspace.")
 @click.option("--campaign", help="Campaign name (.sandman/campaigns/NAME.toml); default: .sandman/image.toml.")
-@click.option(
-    "--policy", type=click.Path(path_type=Path), help="Policy file (default: the operator's, else sandman's)."
-)
+@click.option("--policy", help="Policy name (default, strict) or file (default: the operator's, else sandman's).")
 @click.option("--cpus", type=click.FloatRange(min=0.01), help="CPU cap, e.g. 1.5.")
 @click.option("--memory", help="Memory cap (memory+swap), e.g. 512m or 2g.")
 @click.option("--pids", type=click.IntRange(min=16), help="Maximum number of processes.")
@@ -111,7 +109,7 @@ def run(
     command: tuple[str, ...],
     workspace: Path,
     campaign: str | None,
-    policy: Path | None,
+    policy: str | None,
     cpus: float | None,
     memory: str | None,
     pids: int | None,
@@ -136,7 +134,8 @@ def run(
         "command": list(command),
         "workspace": os.path.abspath(workspace),
         "campaign": campaign,
-        "policy": os.path.abspath(policy) if policy else None,
+        "policy": policy,  # a name or a path: resolved (against cwd) where the policy is read
+        "cwd": os.getcwd(),
         "cpus": cpus,
         "memory": memory,
         "pids": pids,
@@ -211,7 +210,10 @@ def _run_in_process_with(
         runner = Runner(progress=progress)
         ws = resolve_workspace(args["workspace"])
         runner.check_campaign(ws.path, bool(args.get("accept_campaign")))
-        pol = runner.policy(Path(args["policy"]) if args["policy"] else None, ws.path)
+        from sandman.policy import named_policy_path
+
+        operator = named_policy_path(args["policy"], args.get("cwd")) if args["policy"] else None
+        pol = runner.policy(operator, ws.path)
         mem = cli_size(args["memory"], "--memory") if args["memory"] else None
         pol = pol.with_resources(cpus=args["cpus"], memory=mem, pids=args["pids"])
         res = runner.run(
@@ -233,8 +235,14 @@ def _run_in_process_with(
     "--verify", is_flag=True, help="Also run the escape battery in a real sandbox on this host, with its controls."
 )
 @click.option("--policy", help="Policy to verify with (name or file); default: the operator's.")
+@click.option(
+    "-w",
+    "--workspace",
+    type=click.Path(path_type=Path),
+    help="Also check this workspace: deny-listed files in its git history, its disk quota mechanism.",
+)
 @json_option
-def doctor(verify: bool, policy: str | None, json_out: bool) -> None:
+def doctor(verify: bool, policy: str | None, workspace: Path | None, json_out: bool) -> None:
     """Check that this host can run sandman, with the fix for each failure.
 
     With --verify, run the non-destructive escape battery inside a real sandbox (your engine, your
@@ -246,6 +254,14 @@ def doctor(verify: bool, policy: str | None, json_out: bool) -> None:
     try:
         settings = Settings.load()
         checks = run_checks(settings)
+        if workspace is not None:
+            from sandman.doctor import workspace_checks
+            from sandman.policy import effective_policy, named_policy_path
+            from sandman.workspace import resolve_workspace
+
+            ws = resolve_workspace(workspace)
+            operator = named_policy_path(policy) if policy else settings.default_policy
+            checks += workspace_checks(settings, ws.path, effective_policy(operator, ws.path).policy)
     except SandmanError as exc:
         _fail(exc)
     report: dict[str, Any] = as_json(checks)
@@ -454,6 +470,14 @@ def session_create(
 @click.option("--timeout", type=click.FloatRange(min=0.001), help="Seconds before the exec's tree is killed.")
 @click.option("--cwd", help="Working directory, relative to the workspace.")
 @click.option("--stdin", "with_stdin", is_flag=True, help="Forward this process's stdin to the command.")
+@click.option(
+    "-e",
+    "--env",
+    "env_pairs",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Set a variable for this exec (repeatable); the policy's environment rules apply.",
+)
 @raw_option
 @json_option
 def session_exec(
@@ -462,6 +486,7 @@ def session_exec(
     timeout: float | None,
     cwd: str | None,
     with_stdin: bool,
+    env_pairs: tuple[str, ...],
     raw: bool,
     json_out: bool,
 ) -> None:
@@ -479,10 +504,16 @@ def session_exec(
     try:
         if not command:
             raise UsageError("no command given: sandman session exec ID -- CMD")
+        env: dict[str, str] = {}
+        for pair in env_pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise UsageError(f"-e {pair!r}: write KEY=VALUE")
+            env[key] = value
         sb = Sandbox.attach(session_id)
         data = sys.stdin.buffer.read() if with_stdin else None
         result = None
-        for item in sb.stream(list(command), timeout=timeout, cwd=cwd, stdin=data):
+        for item in sb.stream(list(command), timeout=timeout, cwd=cwd, stdin=data, env=env or None):
             if isinstance(item, ExecResult):
                 result = item
             else:
@@ -613,17 +644,28 @@ def session_stop(session_id: str | None, all_: bool, json_out: bool) -> None:
             else [r.id for r in Runner().state.sessions(live_only=True) if r.kind in ("session", "pool")]
         )
         stopped = []
+        poison: dict[str, list[str]] = {}
         for sid in ids:
             assert sid is not None
-            Sandbox.attach(sid).close()
+            sb = Sandbox.attach(sid)
+            sb.close()
             stopped.append(sid)
+            if sb.poison:
+                poison[sid] = sb.poison
     except SandmanError as exc:
         _fail(exc)
     if json_out:
-        _emit({"stopped": stopped})
+        _emit({"stopped": stopped, **({"poison": poison} if poison else {})})
     else:
         for sid in stopped:
             click.echo(f"stopped {sid}")
+        for sid, lines in poison.items():
+            _say(
+                f"WARNING: session {sid} left what would make your own git or editor run its code "
+                f"(review with `sandman inspect`): " + "; ".join(lines)
+            )
+    if poison:
+        sys.exit(65)
 
 
 @session.command("update")
@@ -877,16 +919,28 @@ def policy_show(workspace: Path | None, policy: str | None, json_out: bool) -> N
     except SandmanError as exc:
         _fail(exc)
     values = flatten(eff.policy.model_dump(mode="json"))
+    from sandman.enforce import landlock_abi
+
+    abi = landlock_abi()
+    allowlist = (
+        "none (any program)"
+        if eff.policy.commands.allow is None
+        else f"enforced by the kernel (Landlock ABI {abi})"
+        if abi
+        else "advisory: no Landlock on this kernel, so only the top-level command is checked"
+    )
     if json_out:
         _emit(
             {
                 "files": [str(f) for f in eff.files],
                 "policy": eff.policy.model_dump(mode="json"),
                 "sources": eff.sources,
+                "enforcement": {"commands.allow": allowlist},
             }
         )
         return
     click.echo("# files: " + ", ".join(str(f) for f in eff.files))
+    click.echo(f"# command allowlist: {allowlist}")
     width = max(len(k) for k in values)
     for key, value in values.items():
         click.echo(f"{key:<{width}}  {json.dumps(value)}   [{eff.sources.get(key, 'built-in default')}]")
@@ -894,26 +948,44 @@ def policy_show(workspace: Path | None, policy: str | None, json_out: bool) -> N
 
 @policy_group.command("check")
 @click.argument("file", type=click.Path(path_type=Path))
+@click.option(
+    "-w",
+    "--workspace",
+    type=click.Path(path_type=Path),
+    help="Also check a workspace under this policy (deny-listed files in its git history).",
+)
 @json_option
-def policy_check(file: Path, json_out: bool) -> None:
+def policy_check(file: Path, workspace: Path | None, json_out: bool) -> None:
     """Validate a policy file (an operator's, or a campaign's .sandman/policy.toml)."""
     from sandman.policy import CAMPAIGN_POLICY, effective_policy
     from sandman.settings import Settings
 
+    warnings: list[str] = []
     try:
         resolved = file.resolve()
         if resolved.name == CAMPAIGN_POLICY.name and resolved.parent.name == CAMPAIGN_POLICY.parent.name:
             eff = effective_policy(Settings.load().default_policy, resolved.parent.parent)
         else:
             eff = effective_policy(resolved)
+        if workspace is not None:
+            from sandman.doctor import workspace_checks
+            from sandman.workspace import resolve_workspace
+
+            ws = resolve_workspace(workspace)
+            pol = effective_policy(resolved if resolved.name != CAMPAIGN_POLICY.name else None, ws.path).policy
+            warnings = [
+                f"{c.name}: {c.detail}" for c in workspace_checks(Settings.load(), ws.path, pol) if not c.ok
+            ]
     except SandmanError as exc:
         if json_out:
             _emit({"ok": False, "error": str(exc)})
         _fail(exc)
     if json_out:
-        _emit({"ok": True, "name": eff.policy.name, "files": [str(f) for f in eff.files]})
+        _emit({"ok": True, "name": eff.policy.name, "files": [str(f) for f in eff.files], "warnings": warnings})
     else:
         click.echo(f"{file}: ok (policy {eff.policy.name!r})")
+        for warning in warnings:
+            _say(f"warning: {warning}")
 
 
 @policy_group.command("explain", context_settings={"allow_interspersed_args": False})

@@ -130,7 +130,50 @@ def run_checks(settings: Settings) -> list[Check]:
             f"free at least {MIN_FREE_GB} GB for images and sandboxes",
         )
     )
+    checks.extend(_wall_checks())
     checks.append(Check("host", True, f"{platform.system()} {platform.release()} {platform.machine()}", required=False))
+    return checks
+
+
+def _wall_checks(workspace: Path | None = None) -> list[Check]:
+    """Landlock (the command allowlist), the disk watchdog, and the host git jail's bubblewrap."""
+    from sandman import quota
+    from sandman.enforce import landlock_abi
+
+    abi = landlock_abi()
+    checks = [
+        Check(
+            "landlock",
+            abi >= 1,
+            f"Landlock ABI {abi}: a policy's command allowlist is enforced by the kernel inside the sandbox"
+            if abi
+            else "no Landlock: a policy's command allowlist is advisory (checked on the top-level command only)",
+            "use a kernel with Landlock enabled (5.13+, `lsm=...,landlock`) to enforce command allowlists",
+            required=False,
+        )
+    ]
+    mech = quota.mechanism(workspace or Path.cwd())
+    checks.append(
+        Check(
+            "disk quota",
+            True,
+            f"{mech.name}: {mech.detail}" + (f"; stronger: {mech.stronger}" if mech.stronger else ""),
+            mech.stronger or "",
+            required=False,
+        )
+    )
+    host_bwrap = shutil.which("bwrap")
+    checks.append(
+        Check(
+            "host bubblewrap",
+            host_bwrap is not None,
+            f"{host_bwrap}: host-side git (git-push, history scans) runs jailed"
+            if host_bwrap
+            else "bwrap is missing on the host: git-push and the git-history check cannot run",
+            "apt-get install bubblewrap (scripts/setup does)",
+            required=False,
+        )
+    )
     return checks
 
 
@@ -180,3 +223,28 @@ def _probe(runner: Any, image: str) -> Check:
 
 def as_json(checks: list[Check]) -> dict[str, Any]:
     return {"ok": all(c.ok for c in checks if c.required), "checks": [asdict(c) for c in checks]}
+
+
+def workspace_checks(settings: Settings, workspace: Path, policy: Any) -> list[Check]:
+    """What this workspace holds that a sandbox start would warn about or refuse: deny-listed
+    files in its git history (``filesystem.git_history``), and the disk quota's mechanism."""
+    from sandman import githistory
+
+    fs = policy.filesystem
+    checks = [c for c in _wall_checks(workspace) if c.name == "disk quota"]
+    scan = githistory.find_history_secrets(workspace, fs.deny, fs.allow, cache_dir=settings.state_dir / "githistory")
+    if scan.error:
+        checks.append(Check("git history", False, scan.error, "see the message", required=False))
+    elif scan.found:
+        checks.append(
+            Check(
+                "git history",
+                False,
+                githistory.describe(scan) + f" (filesystem.git_history = {fs.git_history!r})",
+                "rewrite the history (e.g. git filter-repo --path FILE --invert-paths) or rotate the secret",
+                required=fs.git_history == "refuse",
+            )
+        )
+    else:
+        checks.append(Check("git history", True, "no deny-listed file in the repository's history", required=False))
+    return checks

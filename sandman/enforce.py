@@ -11,9 +11,11 @@ import secrets as _secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from sandman import bwrap
 from sandman.commands import check_command
+from sandman.envpolicy import _refusal as env_refusal
 from sandman.envpolicy import build_env, refusal
 from sandman.errors import ConfigError, UsageError
 from sandman.paths import DEFAULT_PROTECTED, PathDenied, WorkspaceScanner, denied_by, validate_path
@@ -29,6 +31,10 @@ class CommandRefused(UsageError):
     """The policy refuses the command; the message names the rule."""
 
     exit_code = 126
+
+
+class EnvRefused(CommandRefused):
+    """A per-exec (or campaign) environment variable the policy's environment rules refuse."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +71,61 @@ def make_scrubber(secrets: Mapping[str, str]) -> Scrubber:
     return Scrubber(secrets, patterns=True, allowlist=EXAMPLE_KEYS)
 
 
-def text_scrubber(settings: Settings) -> Callable[[str], str]:
-    """str -> str for the audit writer and error messages: settings secrets and patterns."""
-    scrubber = make_scrubber({n: v.get_secret_value() for n, v in settings.secrets.items()})
-    return lambda text: scrubber.scrub_text(text)[0]
+def text_scrubber(settings: Settings, extra: Mapping[str, str] | None = None) -> Callable[[str], str]:
+    """str -> str for the audit writer and error messages: settings secrets and patterns (and
+    ``extra`` known secrets, e.g. a repository's historical secret files; read at each call, so a
+    dict filled in later counts too)."""
+    base = {n: v.get_secret_value() for n, v in settings.secrets.items()}
+    built: dict[str, Scrubber] = {}
+
+    def scrub(text: str) -> str:
+        key = str(len(extra)) if extra else "0"
+        if key not in built:
+            built.clear()
+            built[key] = make_scrubber({**base, **(extra or {})})
+        return built[key].scrub_text(text)[0]
+
+    return scrub
+
+
+def history_secrets(
+    ws: Workspace,
+    policy: Policy,
+    settings: Settings,
+    *,
+    progress: Callable[[str], None],
+    audit: Callable[..., None],
+) -> dict[str, str]:
+    """Deny-listed files in the repository's history (``filesystem.git_history``): ``scrub``
+    returns every version as a known secret (and warns), ``refuse`` raises, ``allow`` audits."""
+    from sandman import githistory
+
+    fs = policy.filesystem
+    scan = githistory.find_history_secrets(ws.path, fs.deny, fs.allow, cache_dir=settings.state_dir / "githistory")
+    if scan.error:
+        text = f"the repository's history could not be checked for deny-listed files: {scan.error}"
+        if fs.git_history == "refuse":
+            raise HistoryRefused(f"{ws.path}: {text}; filesystem.git_history is 'refuse', so nothing was started")
+        progress(f"warning: {text}")
+        audit("git_history.unchecked", "warning", reason=scan.error)
+        return {}
+    if not scan.found:
+        return {}
+    text = githistory.describe(scan)
+    files = [f.path for f in scan.files]
+    if fs.git_history == "refuse":
+        audit("git_history.refused", "refused", files=files)
+        raise HistoryRefused(f"{ws.path}: {text} (filesystem.git_history is 'refuse', so nothing was started)")
+    if fs.git_history == "allow":
+        audit("git_history.allowed", "ok", files=files)
+        return {}
+    progress(f"warning: {text}")
+    audit("git_history.scrubbed", "ok", files=files)
+    return githistory.secrets_from(scan)
+
+
+class HistoryRefused(ConfigError):
+    """Deny-listed files are in the repository's history and the policy refuses such a workspace."""
 
 
 def _to_container(ws: Workspace, real: Path) -> str:
@@ -230,8 +287,11 @@ def sandbox_env(
 ) -> SandboxEnv:
     """Exactly: base + campaign + policy values + SANDMAN_* (public), passthrough + secrets (private)."""
     for key in extra or {}:
-        if key.startswith("SANDMAN_"):
-            raise UsageError(f"environment variable {key}: the SANDMAN_* namespace is reserved for sandman")
+        # Per-exec and campaign variables obey the same rules as the policy's own: a refused name
+        # or pattern (cloud keys, tokens, LD_PRELOAD, ...) and the reserved SANDMAN_* namespace.
+        if found := env_refusal(key, policy.environment):
+            why, fix = found
+            raise EnvRefused(f"environment variable {key!r} {why}: {fix}")
     built = build_env(policy.environment, host_env, controller_env)
     passthrough = set(policy.environment.passthrough)
     public = bwrap.base_env()
@@ -252,6 +312,10 @@ def sandbox_env(
         private[name] = secret.get_secret_value()
     for name in private:
         public.pop(name, None)
+    if policy.commands.allow is not None:
+        # The exec shim turns the allowlist into a Landlock execute rule: whatever spawns them (a
+        # shell, an interpreter, xargs), only these programs run.
+        public["SANDMAN_EXEC_ALLOW"] = ":".join(policy.commands.allow)
     known = known_secrets(settings, policy, host_env)
     # Injected secrets are scrubbed from output; passthrough values are configuration, not secrets
     # (scrubbing a value such as "fast" would mangle every output that says "fast").
@@ -327,3 +391,66 @@ def extra_mounts(policy: Policy) -> tuple[tuple[str, str, bool], ...]:
         if not os.path.isdir(source):
             raise ConfigError(f"policy filesystem path {source!r} is not an existing directory on this host")
     return tuple(mounts)
+
+
+def poison_check(
+    ws: Workspace,
+    baseline: Any,
+    policy: Policy,
+    settings: Settings,
+    session_id: str,
+    store: Any,
+    progress: Callable[[str], None],
+) -> list[str]:
+    """After a sandbox: what it left that would make the host user's git or editor run code
+    (new or changed since ``baseline``), reported loudly and, by policy, quarantined."""
+    from sandman import poison
+
+    findings = poison.scan_workspace(ws.path, baseline)
+    if not findings:
+        return []
+    report = None
+    if policy.filesystem.on_poison == "quarantine":
+        try:
+            report = poison.quarantine(ws.path, findings, poison.quarantine_dir(settings.state_dir, session_id))
+        except OSError as exc:
+            progress(f"warning: could not quarantine what the sandbox left: {exc}")
+    poison.audit(store, session_id, findings, report)
+    lines = [f.line() for f in findings]
+    where = (
+        f"; moved to {poison.quarantine_dir(settings.state_dir, session_id)}"
+        if report is not None and report.moved
+        else f"; review with `sandman inspect -w {ws.path}` before running git there"
+    )
+    progress(
+        f"WARNING: the sandbox left {len(lines)} thing(s) in {ws.path} that would make your own git, editor "
+        f"or shell run its code: {'; '.join(lines[:5])}{' ...' if len(lines) > 5 else ''}{where}"
+    )
+    return lines
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0: none). A runc sandbox shares the host's kernel, so
+    this says whether the exec shim can enforce a command allowlist."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux":
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        version = int(libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
+    except (OSError, AttributeError):
+        return 0
+    return max(version, 0)
+
+
+def advisory_warnings(policy: Policy) -> list[str]:
+    """What of the policy this host cannot enforce, said at every start (never silently)."""
+    if policy.commands.allow is not None and landlock_abi() < 1:
+        return [
+            "warning: this kernel has no Landlock, so the command allowlist is advisory: it is checked on "
+            "the top-level command only, and a shell or interpreter can still start any program"
+        ]
+    return []

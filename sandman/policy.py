@@ -89,6 +89,23 @@ class Resources(_Strict):
     exec_timeout_s: float | None = Field(default=3600.0, gt=0, description="per exec / run")
     idle_timeout_s: float | None = Field(default=1800.0, gt=0, description="a session with no exec ends")
     session_timeout_s: float | None = Field(default=86400.0, gt=0, description="absolute session lifetime")
+    workspace_quota: Size | None = Field(
+        default=10 << 30, description="how much a command may grow the workspace's filesystem; then cause disk-quota"
+    )
+    host_reserve: str = Field(
+        default="1g", description="free space always left on the workspace's filesystem: a size (2g) or a share (5%)"
+    )
+
+    @field_validator("host_reserve", mode="before")
+    @classmethod
+    def _reserve(cls, value: object) -> str:
+        from sandman.quota import parse_reserve
+
+        text = str(value) if isinstance(value, int | str) and not isinstance(value, bool) else None
+        if text is None:
+            raise ValueError("expected a size such as 2g or a share such as 5%")
+        parse_reserve(text if text.strip().endswith("%") else value)  # type: ignore[arg-type]
+        return text
 
     @model_validator(mode="after")
     def _tmpfs_below_memory(self) -> Resources:
@@ -219,13 +236,21 @@ def default_policy_path() -> Path:
     return resources.policies_dir() / "default.toml"
 
 
-def named_policy_path(name_or_path: str | os.PathLike[str]) -> Path:
-    """A shipped policy by name ("default", "strict"), else a policy file's path."""
+def named_policy_path(name_or_path: str | os.PathLike[str], cwd: str | os.PathLike[str] | None = None) -> Path:
+    """What ``--policy`` means in every command: a shipped policy by name ("default", "strict"),
+    else a policy file's path (relative to ``cwd``); ConfigError naming both when it is neither."""
     text = os.fspath(name_or_path)
     shipped = resources.policies_dir() / f"{text}.toml"
     if "/" not in text and not text.endswith(".toml") and shipped.is_file():
         return shipped
-    return Path(text)
+    path = Path(cwd or os.getcwd()) / text if not os.path.isabs(text) else Path(text)
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in resources.policies_dir().glob("*.toml")))
+        raise ConfigError(
+            f"--policy {text!r} is neither a built-in policy ({names}) nor an existing policy file: "
+            "name one of those, or give the path of a TOML policy file"
+        )
+    return path
 
 
 def load_policy(path: Path | None = None) -> Policy:
@@ -330,6 +355,11 @@ def _loosening(key: str, op: Policy, cp: Policy) -> str | None:
     """Why the campaign's value for ``key`` is looser than the operator's (None: it is not)."""
     section = key.split(".")[0]
     old, new = _at(op, key), _at(cp, key)
+    if key == "resources.host_reserve":
+        from sandman.quota import parse_reserve
+
+        (ob, of), (nb, nf) = parse_reserve(old), parse_reserve(new)
+        return None if nb >= ob and nf >= of else f"operator: {old}, campaign: {new} (a smaller reserve)"
     if section == "resources":
         if old is None:
             return None
@@ -340,6 +370,8 @@ def _loosening(key: str, op: Policy, cp: Policy) -> str | None:
         return None if new == old or (old == Runtime.RUNC and new == Runtime.RUNSC) else "gVisor cannot be dropped"
     if key == "filesystem.max_masks":
         return None if new <= old else f"operator: {old}, campaign: {new}"
+    if key == "filesystem.on_poison":
+        return None if new == old or new == "quarantine" else "only the operator can turn quarantine off"
     if key == "filesystem.share_tmp_home":
         return None if not new or old else "sharing /tmp and HOME across execs is the operator's choice"
     if key == "filesystem.git_history":

@@ -8,6 +8,7 @@ even when the command ignores SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -30,6 +31,7 @@ from sandman.engine import ContainerSpec, connect, container_kwargs, engine_retr
 from sandman.errors import SandboxError, SandmanError, UsageError, WorkspaceError
 from sandman.image import ImageManager, Progress, load_campaign
 from sandman.policy import Policy, effective_policy
+from sandman.quota import DiskWatch
 from sandman.relay import UPCALL_DIR, RelayContext, RelayHost, upcall_socket
 from sandman.settings import Settings
 from sandman.state import SessionRecord, SessionState, StateStore
@@ -50,6 +52,7 @@ class ExitCause(StrEnum):
     OOM = "oom"
     PIDS_LIMIT = "pids-limit"
     DISK_FULL = "disk-full"
+    DISK_QUOTA = "disk-quota"  # resources.workspace_quota or host_reserve (sandman.quota)
     KILLED = "killed"
     ERROR = "error"
 
@@ -77,11 +80,15 @@ class RunResult:
     cause: ExitCause
     duration_s: float
     session_id: str
+    poison: tuple[str, ...] = ()  # what the sandbox left that would make the host's git run code
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["cause"] = self.cause.value
         data["duration_s"] = round(self.duration_s, 3)
+        data["poison"] = list(self.poison)
+        if not self.poison:
+            del data["poison"]
         return data
 
 
@@ -297,22 +304,38 @@ class Runner:
         except enforce.CommandRefused as exc:
             self.refuse(session_id, exc, command)
             raise
-        env = enforce.sandbox_env(
-            policy,
-            self.settings,
-            host_env=os.environ if host_env is None else host_env,
-            controller_env={"SANDMAN_SESSION": session_id, "SANDMAN_CAMPAIGN": camp.name},
-            extra=camp.spec.env,
-        )
+        try:
+            env = enforce.sandbox_env(
+                policy,
+                self.settings,
+                host_env=os.environ if host_env is None else host_env,
+                controller_env={"SANDMAN_SESSION": session_id, "SANDMAN_CAMPAIGN": camp.name},
+                extra=camp.spec.env,
+            )
+        except enforce.EnvRefused as exc:
+            self.refuse(session_id, exc, command)
+            raise
         masks = enforce.scan_masks(ws, policy)
-        for warning in masks.warnings:
+        for warning in [*masks.warnings, *enforce.advisory_warnings(policy)]:
             self.progress(warning)
+        env.known_secrets.update(
+            enforce.history_secrets(
+                ws,
+                policy,
+                self.settings,
+                progress=self.progress,
+                audit=lambda event, verdict, **d: self.state.audit(session_id, event, verdict, **d),
+            )
+        )
         layer2 = enforce.Layer2(env, masks, writable=tuple(policy.filesystem.writable))
         image = self.images().ensure(camp, self.progress)
         self.ensure_probe(image, ws, policy)
         if timeout is None:
             timeout = policy.resources.exec_timeout_s
-        return self._run_container(
+        from sandman import poison
+
+        baseline = poison.take_baseline(ws.path)
+        result = self._run_container(
             command,
             ws,
             camp.name,
@@ -325,6 +348,8 @@ class Runner:
             layer2=layer2,
             session_id=session_id,
         )
+        found = enforce.poison_check(ws, baseline, policy, self.settings, session_id, self.state, self.progress)
+        return dataclasses.replace(result, poison=tuple(found)) if found else result
 
     # -- the probe -------------------------------------------------------------------------
     def ensure_probe(self, image: str, ws: Workspace, policy: Policy) -> None:
@@ -439,6 +464,7 @@ class Runner:
         container_id: str | None = None
         timed_out = threading.Event()
         timer: threading.Timer | None = None
+        disk: DiskWatch | None = None
         cause, exit_code = ExitCause.EXIT, 0
         try:
             with signals_cancel(cancel):
@@ -457,6 +483,13 @@ class Runner:
                     timer = threading.Timer(timeout, _expire, (timed_out, cancel))
                     timer.daemon = True
                     timer.start()
+                if kind == "sandbox":
+                    disk = DiskWatch(
+                        ws.path,
+                        policy.resources.workspace_quota,
+                        policy.resources.host_reserve,
+                        lambda _r: cancel.fire(),
+                    ).start()
                 cid = container_id
                 watch = CgroupWatch.for_container(cid, lambda: int(api.inspect_container(cid)["State"].get("Pid") or 0))
                 cap = OutputCap(policy.resources.max_output, stderr)
@@ -486,6 +519,9 @@ class Runner:
                 if tail := cap.take(scrub_err.flush()):
                     stderr(tail)
                 exit_code = int(api.wait(container_id)["StatusCode"])
+                if disk is not None and disk.exceeded:
+                    stderr(f"sandman: stopped: {disk.reason}\n".encode())
+                    raise _DiskQuota
                 if cancel.fired and not timed_out.is_set():
                     raise _Cancelled
                 now = watch.read()
@@ -502,9 +538,13 @@ class Runner:
                     cause = classify_end(exit_code, Counters(), counters, cap.tail, killed_by_us=False)
         except _Cancelled:
             cause, exit_code = ExitCause.KILLED, 128 + (cancel.signum or signal.SIGKILL)
+        except _DiskQuota:
+            cause, exit_code = ExitCause.DISK_QUOTA, 128 + signal.SIGKILL
         finally:
             if timer is not None:
                 timer.cancel()
+            if disk is not None:
+                disk.stop()
             if container_id is not None:
                 self._remove(container_id)
             if relay is not None:
@@ -549,6 +589,10 @@ class Runner:
 
 
 class _Cancelled(Exception):
+    pass
+
+
+class _DiskQuota(Exception):
     pass
 
 

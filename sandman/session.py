@@ -30,6 +30,7 @@ from sandman.files import Files
 from sandman.paths import WorkspaceScanner
 from sandman.policy import Policy
 from sandman.protocol import HEADER, recv_exact
+from sandman.quota import DiskWatch
 from sandman.relay import RelayContext, RelayHost, upcall_socket
 from sandman.runner import (
     CONTROL_DIR,
@@ -128,10 +129,14 @@ class Sandbox:
     ) -> None:
         self.settings = settings or Settings.load()
         self._runner = _runner or Runner(self.settings, progress or (lambda _m: None))
-        self._scrub_text = enforce.text_scrubber(self.settings)
+        # Known secrets found in the repository's history: scrubbed from output and the audit.
+        self._history: dict[str, str] | None = None
+        self._history_values: dict[str, str] = {}
+        self._scrub_text = enforce.text_scrubber(self.settings, self._history_values)
         self.state = StateStore(self.settings.state_dir, scrub=self._scrub_text)
         self._scrubbers: dict[frozenset[tuple[str, str]], Scrubber] = {}
         self._scanner: WorkspaceScanner | None = None
+        self.poison: list[str] = []  # after close: what the session left for the host's own tools
         self._watch: CgroupWatch | None = None
         if _record is not None:  # attach: the policy the session was created with
             self.record = _record
@@ -161,7 +166,18 @@ class Sandbox:
             self.workspace,
             lambda: self.policy,
             lambda event, verdict, **detail: self.state.audit(self.id, event, verdict, **detail),
+            scrub=self._scrub_file,
         )
+
+    def _scrub_file(self, data: bytes) -> bytes:
+        """A file read through the files API carries none of the session's known secrets."""
+        known = {
+            **{n: v.get_secret_value() for n, v in self.settings.secrets.items()},
+            **self._history_values,
+        }
+        if not known:
+            return data
+        return self._scrubber(known).scrub_bytes(data)[0]
 
     @property
     def id(self) -> str:
@@ -238,6 +254,7 @@ class Sandbox:
             policy=self.policy.model_dump_json(),
         )
         self.state.add_session(rec)
+        self._save_baseline(session_id)
         try:
             container_id = engine_retry(self.api.create_container)(**kwargs)["Id"]
             rec.container_id = container_id
@@ -256,6 +273,9 @@ class Sandbox:
             raise
         rec.state = SessionState.RUNNING.value
         self.state.update_session(session_id, state=rec.state)
+        for warning in enforce.advisory_warnings(self.policy):
+            self._runner.progress(warning)
+            self.state.audit(session_id, "policy.advisory", "warning", reason=warning)
         self.state.audit(
             session_id,
             "session.create",
@@ -322,6 +342,17 @@ class Sandbox:
 
             client.request({"op": "relay.start", "session_id": rec.id})
 
+    def _baseline_path(self, session_id: str) -> Path:
+        return self.settings.state_dir / "baselines" / f"{session_id}.json"
+
+    def _save_baseline(self, session_id: str) -> None:
+        """What the workspace held for the host's tools before the agent ran (sandman.poison)."""
+        from sandman import poison
+
+        path = self._baseline_path(session_id)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.write_text(poison.take_baseline(self.workspace.path).model_dump_json())
+
     def _teardown(self, rec: SessionRecord, state: SessionState, reason: str) -> None:
         import shutil
 
@@ -333,9 +364,27 @@ class Sandbox:
             with contextlib.suppress(docker.errors.NotFound):
                 engine_retry(self.api.remove_container)(rec.container_id, force=True, v=True)
         shutil.rmtree(rec.runtime_dir, ignore_errors=True)
-        if self.state.end_session(rec.id, state, reason):
+        ended = self.state.end_session(rec.id, state, reason)
+        if ended:
             self.state.audit(rec.id, "session.stop", state=state.value, reason=reason)
         rec.state = state.value
+        self.poison = self._poison_check(rec) if ended else []
+
+    def _poison_check(self, rec: SessionRecord) -> list[str]:
+        """The session is over: report (or quarantine) what it left for the host's own tools."""
+        from sandman import poison
+
+        path = self._baseline_path(rec.id)
+        try:
+            baseline = poison.Baseline.model_validate_json(path.read_text())
+        except (OSError, ValueError):
+            baseline = None
+        try:
+            return enforce.poison_check(
+                self.workspace, baseline, self.policy, self.settings, rec.id, self.state, self._runner.progress
+            )
+        finally:
+            path.unlink(missing_ok=True)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -384,15 +433,29 @@ class Sandbox:
         except enforce.CommandRefused as exc:
             self._runner.refuse(self.id, exc, argv)
             raise
+        if self._history is None:
+            self._history = enforce.history_secrets(
+                self.workspace,
+                self.policy,
+                self.settings,
+                progress=self._runner.progress,
+                audit=lambda event, verdict, **d: self.state.audit(self.id, event, verdict, **d),
+            )
+            self._history_values.update(self._history)
         limits = json.loads(self.record.limits)
         extra = {**(limits.get("campaign_env") or {}), **(env or {})}
-        sandbox_env = enforce.sandbox_env(
-            self.policy,
-            self.settings,
-            host_env=os.environ if host_env is None else host_env,
-            controller_env={"SANDMAN_SESSION": self.id, "SANDMAN_CAMPAIGN": self.record.campaign},
-            extra=extra,
-        )
+        try:
+            sandbox_env = enforce.sandbox_env(
+                self.policy,
+                self.settings,
+                host_env=os.environ if host_env is None else host_env,
+                controller_env={"SANDMAN_SESSION": self.id, "SANDMAN_CAMPAIGN": self.record.campaign},
+                extra=extra,
+            )
+        except enforce.EnvRefused as exc:
+            self._runner.refuse(self.id, exc, argv)
+            raise
+        sandbox_env.known_secrets.update(self._history)
         return enforce.Layer2(
             sandbox_env,
             self.masks(),
@@ -453,7 +516,9 @@ class Sandbox:
         watch = self._cgroup_watch()
         before = watch.read()
         sock = self._connect()
-        with sock, _removed_after(env_file):
+        res = self.policy.resources
+        disk = DiskWatch(self.workspace.path, res.workspace_quota, res.host_reserve, lambda _r: _send_kill(sock))
+        with sock, _removed_after(env_file), disk:
             sock.sendall(json.dumps(request).encode() + b"\n")
             if stdin is not None:
                 threading.Thread(target=_feed_stdin, args=(sock, stdin), daemon=True).start()
@@ -497,7 +562,12 @@ class Sandbox:
             raise SandboxError(f"the session supervisor refused the exec: {result['error']}")
         code = int(result["exit_code"])
         after = watch.read()
-        if result.get("timed_out"):
+        if disk.exceeded:
+            note = f"sandman: stopped: {disk.reason}\n".encode()
+            err += note
+            yield Output("stderr", note)
+            cause, code = ExitCause.DISK_QUOTA, 137
+        elif result.get("timed_out"):
             # A fork or thread bomb ends by the timeout; the pids limit is what it ran into.
             cause = ExitCause.PIDS_LIMIT if after.pids_max_hits > before.pids_max_hits else ExitCause.TIMEOUT
             code = 124
@@ -667,6 +737,12 @@ def classify_policy_change(old: Policy, new: Policy) -> tuple[list[str], list[st
     live = [k for k in changed if k in _LIVE_UPDATE]
     rebuild = [k for k in changed if k not in next_exec and k not in live]
     return next_exec, live, rebuild
+
+
+def _send_kill(sock: socket.socket) -> None:
+    """Ask the supervisor to kill the exec on this connection (from the disk watchdog's thread)."""
+    with contextlib.suppress(OSError):
+        sock.sendall(HEADER.pack(b"k", 0))
 
 
 def _feed_stdin(sock: socket.socket, data: bytes | Iterator[bytes]) -> None:

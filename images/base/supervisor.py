@@ -105,7 +105,9 @@ def prepare(request: dict) -> tuple[list[str], list[int]]:
                     try:
                         st = os.stat(name, dir_fd=parent, follow_symlinks=False)
                     except OSError as exc:
-                        raise GuardError(f"workspace path {rel!r} changed during the sandbox's start ({exc.strerror})") from None
+                        raise GuardError(
+                            f"workspace path {rel!r} changed during the sandbox's start ({exc.strerror})"
+                        ) from None
             finally:
                 os.close(parent)
             if stat.S_ISLNK(st.st_mode):
@@ -399,8 +401,10 @@ class Supervisor:
             self._reply_close(conn, {"error": "malformed request"})
             return
         if op == "ping":
-            self._reply_close(conn, {"pid": os.getpid(), "execs": len(self.execs),
-                                     "uptime_s": round(time.monotonic() - self.started, 3)})
+            self._reply_close(
+                conn,
+                {"pid": os.getpid(), "execs": len(self.execs), "uptime_s": round(time.monotonic() - self.started, 3)},
+            )
         elif op == "exec":
             try:
                 ex = Exec(self, conn, request)
