@@ -96,6 +96,26 @@ def snapshot(workspace: Path) -> Snapshot:
     return Snapshot(files)
 
 
+# The snapshot each workspace's check passed, by real path: what the image build and the policy
+# merge read, so nothing the agent swaps in between the check and the build is ever used.
+_CHECKED: dict[str, Snapshot] = {}
+
+
+def read(workspace: Path, rel: str) -> str | None:
+    """The text of ``.sandman/<rel>`` (None: absent): from the snapshot the last check of this
+    workspace accepted, else read now without following symlinks."""
+    snap = _CHECKED.get(os.path.realpath(workspace))
+    if snap is None:
+        snap = snapshot(workspace)
+    return snap.files.get(rel)
+
+
+def names(workspace: Path, prefix: str) -> list[str]:
+    """Campaign files under ``.sandman/<prefix>`` (e.g. "campaigns/"), as ``read`` sees them."""
+    snap = _CHECKED.get(os.path.realpath(workspace)) or snapshot(workspace)
+    return sorted(n for n in snap.files if n.startswith(prefix))
+
+
 def _record_path(state_dir: Path, workspace: Path) -> Path:
     key = hashlib.sha256(os.fsencode(os.path.realpath(workspace))).hexdigest()[:24]
     return state_dir / "campaigns" / f"{key}.json"
@@ -145,14 +165,19 @@ def check(state_dir: Path, workspace: Path, *, accept: bool = False) -> tuple[st
     "accepted", snapshot), or CampaignChanged with the diff and the way to accept it."""
     now = snapshot(workspace)
     before = accepted(state_dir, workspace)
+    key = os.path.realpath(workspace)
     if before is None:
         record(state_dir, workspace, now)
+        _CHECKED[key] = now
         return "first-use", now
     if before.digest == now.digest:
+        _CHECKED[key] = now
         return "same", now
     if accept:
         record(state_dir, workspace, now)
+        _CHECKED[key] = now
         return "accepted", now
+    _CHECKED.pop(key, None)
     raise CampaignChanged(
         f"the campaign files of {workspace} changed since they were last accepted (the sandbox could "
         "have written them), so nothing was started. Review the change:\n"

@@ -1130,8 +1130,14 @@ def campaign_accept(workspace: Path, dry_run: bool, json_out: bool) -> None:
     help="Move every flagged file (whole config files, hooks, .git files, pointers) to "
     "<state_dir>/quarantine/inspect-<time>/ with a manifest.",
 )
+@click.option(
+    "--accept",
+    is_flag=True,
+    help="Accept what is found as yours (your hooks, your configs): sandbox starts, which refuse a "
+    "workspace where such things appeared since, start again.",
+)
 @json_option
-def inspect_workspace(workspace: Path, do_quarantine: bool, json_out: bool) -> None:
+def inspect_workspace(workspace: Path, do_quarantine: bool, accept: bool, json_out: bool) -> None:
     """Find what would make your own git, editor or shell run code an agent left in WORKSPACE.
 
     Looks for git config keys that run commands (core.fsmonitor, alias.x = !cmd, filters,
@@ -1150,6 +1156,16 @@ def inspect_workspace(workspace: Path, do_quarantine: bool, json_out: bool) -> N
     if not ws.is_dir():
         _fail(WorkspaceError(f"workspace {str(workspace)!r} is not a directory: pass the project's directory"))
     findings = poison.scan_workspace(ws)
+    if accept:
+        from sandman.enforce import accept_poison
+        from sandman.settings import Settings
+        from sandman.workspace import resolve_workspace
+
+        try:
+            accept_poison(Settings.load(), resolve_workspace(ws), [f.fingerprint() for f in findings])
+        except SandmanError as exc:
+            _fail(exc)
+        _say(f"accepted {len(findings)} finding(s) in {ws} as yours: sandboxes start there again")
     moved: dict[str, str] = {}
     report: poison.QuarantineReport | None = None
     if do_quarantine and findings:
@@ -1185,7 +1201,7 @@ def inspect_workspace(workspace: Path, do_quarantine: bool, json_out: bool) -> N
         for q in report.files:
             if q.method == "failed":
                 _say(f"could not quarantine {q.path}: {q.error}")
-    sys.exit(poison.EXIT_FOUND if findings else 0)
+    sys.exit(poison.EXIT_FOUND if findings and not accept else 0)
 
 
 def main() -> None:

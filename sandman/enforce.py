@@ -6,6 +6,7 @@ what must not (passthrough values and injected secrets go through a private file
 
 from __future__ import annotations
 
+import json
 import os
 import secrets as _secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -149,6 +150,12 @@ def scan_masks(ws: Workspace, policy: Policy, scanner: WorkspaceScanner | None =
             f"{ws.path}: the deny-list scan stopped after {scan.scanned} entries (filesystem.scan_limit is "
             f"{fs.scan_limit}), so denied files could go unmasked: the sandbox does not start. Raise "
             "filesystem.scan_limit, or run on a smaller workspace"
+        )
+    if scan.failed:
+        raise ConfigError(
+            f"{ws.path}: the deny-list scan could not walk the whole workspace ({'; '.join(scan.failed[:3])}), "
+            "so denied files could go unmasked: the sandbox does not start. Make those directories readable "
+            "(or remove them), then start again"
         )
     problems = []
     for denied in scan.paths:
@@ -454,3 +461,52 @@ def advisory_warnings(policy: Policy) -> list[str]:
             "the top-level command only, and a shell or interpreter can still start any program"
         ]
     return []
+
+
+# What a finding must be to stop the next start: something the host's own tools would run or obey.
+GATED_KINDS = frozenset({"exec", "redirect", "include", "hook", "gitdir", "autorun"})
+
+
+class PoisonedWorkspace(ConfigError):
+    """The workspace holds what would make the host's tools run code, new since last accepted."""
+
+    exit_code = 65
+
+
+def _accepted_path(settings: Settings, ws: Workspace) -> Path:
+    import hashlib
+
+    key = hashlib.sha256(os.fsencode(str(ws.path))).hexdigest()[:24]
+    return settings.state_dir / "poison-accepted" / f"{key}.json"
+
+
+def accept_poison(settings: Settings, ws: Workspace, fingerprints: Sequence[str]) -> None:
+    """Record ``fingerprints`` as the operator's own (their hooks, their configs)."""
+    path = _accepted_path(settings, ws)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"workspace": str(ws.path), "accepted": sorted(set(fingerprints))}))
+    os.replace(tmp, path)
+
+
+def poison_gate(settings: Settings, ws: Workspace, baseline: Any) -> None:
+    """Refuse to start on a workspace where an earlier sandbox left what the host's git or editor
+    would run (a new .git/commondir, hook, config key), until the operator removes or accepts it:
+    the end-of-session report can be missed, the next start cannot. The first time sandman sees a
+    workspace, what is there is the operator's own and is recorded as accepted."""
+    findings = [f for f in getattr(baseline, "findings", []) if f.kind in GATED_KINDS]
+    path = _accepted_path(settings, ws)
+    try:
+        known = set(json.loads(path.read_text()).get("accepted", []))
+    except (OSError, ValueError):
+        accept_poison(settings, ws, [f.fingerprint() for f in findings])
+        return
+    new = [f for f in findings if f.fingerprint() not in known]
+    if new:
+        lines = "; ".join(f.line() for f in new[:5]) + (" ..." if len(new) > 5 else "")
+        raise PoisonedWorkspace(
+            f"{ws.path} holds what would make your own git, editor or shell run code, and it appeared "
+            f"since sandman last accepted this workspace (an earlier sandbox could have left it): {lines}. "
+            f"Review it with `sandman inspect -w {ws.path}`, then remove it (`sandman inspect -w {ws.path} "
+            f"--quarantine`) or accept it as yours (`sandman inspect -w {ws.path} --accept`)"
+        )

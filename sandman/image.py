@@ -56,6 +56,7 @@ TRUSTED_PATHS = (
     "/usr/bin/tini",
     "/usr/bin/python3",
     "/usr/bin/python3.11",
+    "/usr/lib/python3.11",  # the supervisor's standard library (a directory: every file in it)
     "/etc/ld.so.preload",
     "/lib64/ld-linux-x86-64.so.2",
     "/lib/ld-linux-aarch64.so.1",
@@ -69,6 +70,7 @@ TRUSTED_PATHS = (
     ),
 )  # fmt: skip
 _VERIFIED: set[str] = set()
+_PRINTS: dict[str, dict[str, str | None]] = {}  # image id -> fingerprint (images never change)
 
 
 def _quiet(_: str) -> None:
@@ -156,33 +158,35 @@ class Campaign:
 
 
 def load_campaign(workspace: Path, name: str | None = None) -> Campaign:
-    """The campaign for ``workspace``: ``.sandman/image.toml``, or ``.sandman/campaigns/NAME.toml``."""
+    """The campaign for ``workspace``: ``.sandman/image.toml``, or ``.sandman/campaigns/NAME.toml``,
+    read from the snapshot the campaign check accepted (never re-read by path: see campaign.py)."""
+    from sandman import campaign
+
     sandman_dir = workspace / ".sandman"
     if name is None:
         path = sandman_dir / "image.toml"
-        spec = _read_campaign_file(path) if path.is_file() else CampaignImage()
-        return Campaign(spec.name or campaign_slug(workspace.name), spec, path if path.is_file() else None)
+        text = campaign.read(workspace, "image.toml")
+        spec = _parse_campaign(path, text) if text is not None else CampaignImage()
+        return Campaign(spec.name or campaign_slug(workspace.name), spec, path if text is not None else None)
     if not _CAMPAIGN_NAME.match(name):
         raise CampaignError(f"campaign name {name!r} is invalid: use lowercase letters, digits, '.', '_', '-'")
     path = sandman_dir / "campaigns" / f"{name}.toml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (sandman_dir / "campaigns").glob("*.toml"))
-        default = (sandman_dir / "image.toml").is_file()
+    text = campaign.read(workspace, f"campaigns/{name}.toml")
+    if text is None:
+        known = [Path(n).stem for n in campaign.names(workspace, "campaigns/")]
+        default = campaign.read(workspace, "image.toml") is not None
         hint = ", ".join(known) if known else "none"
         raise CampaignError(
             f"unknown campaign {name!r} in {workspace}: known campaigns: {hint}"
             f"{' (plus the default, .sandman/image.toml)' if default else ''}; "
             f"create {path} or omit --campaign"
         )
-    spec = _read_campaign_file(path)
-    return Campaign(name, spec, path)
+    return Campaign(name, _parse_campaign(path, text), path)
 
 
-def _read_campaign_file(path: Path) -> CampaignImage:
+def _parse_campaign(path: Path, text: str) -> CampaignImage:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     try:
@@ -319,6 +323,9 @@ class ImageManager:
         from a created, never started container: nothing of the image runs."""
         import docker.errors
 
+        image_id = _image_id(self.api, image) or image
+        if image_id in _PRINTS:
+            return _PRINTS[image_id]
         cid = engine_retry(self.api.create_container)(
             image, command=["true"], labels={LABEL_KIND: "verify"}, network_disabled=True
         )["Id"]
@@ -330,17 +337,18 @@ class ImageManager:
                 except docker.errors.NotFound:
                     prints[path] = None
                     continue
+                h = hashlib.sha256()
                 with tarfile.open(fileobj=io.BytesIO(b"".join(stream)), mode="r:") as tar:
-                    member = tar.next()
-                    assert member is not None
-                    h = hashlib.sha256(f"{member.type!r} {member.mode:o} {member.linkname}".encode())
-                    data = tar.extractfile(member) if member.isfile() else None
-                    if data is not None:
-                        h.update(data.read())
+                    for member in sorted(tar.getmembers(), key=lambda m: m.name):
+                        h.update(f"{member.name}\0{member.type!r} {member.mode:o} {member.linkname}\0".encode())
+                        data = tar.extractfile(member) if member.isfile() else None
+                        if data is not None:
+                            h.update(data.read())
                     prints[path] = h.hexdigest()
         finally:
             with contextlib.suppress(docker.errors.APIError):
                 self.api.remove_container(cid, force=True)
+        _PRINTS[image_id] = prints
         return prints
 
     def verify_trusted(self, image: str, base: str) -> None:

@@ -261,6 +261,7 @@ class DenyScan:
     unreadable: tuple[Path, ...] = ()  # directories the walk could not list
     protected: tuple[Denied, ...] = ()  # paths matching the protected globs (not denied)
     pinned: tuple[Denied, ...] = ()  # PINNED names present at the root
+    failed: tuple[str, ...] = ()  # directories that could not be walked: the result is incomplete
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -293,52 +294,90 @@ class WorkspaceScanner:
         self._listings: dict[tuple[str, ...], tuple[tuple[int, int, int, int], _Listing]] = {}
 
     def scan(self) -> DenyScan:
+        """One walk; a directory swapped under the walk (the agent runs concurrently) restarts it,
+        and one that keeps changing, or that cannot be opened, is reported in ``failed``."""
+        for _ in range(3):
+            try:
+                return self._scan_once()
+            except _Changed:
+                continue
+        return DenyScan(self.root, (), False, 0, failed=("the workspace kept changing during the deny-list scan",))
+
+    def _scan_once(self) -> DenyScan:
         found: list[Denied] = []
         protected: list[Denied] = []
         pinned: list[Denied] = []
         unreadable: list[Path] = []
+        failed: list[str] = []
         scanned = 0
         now = time.time_ns()
         seen: set[tuple[str, ...]] = set()
         try:
             root_fd = os.open(self.root, _DIR_FLAGS)
-        except OSError:
-            return DenyScan(self.root, (), False, 0, (self.root,))
-        stack: list[tuple[int, tuple[str, ...]]] = [(root_fd, ())]
+        except OSError as exc:
+            return DenyScan(self.root, (), False, 0, (self.root,), failed=(f"{self.root}: {exc.strerror}",))
+        # Depth-first, holding one descriptor per level (never one per pending directory: a
+        # directory with thousands of subdirectories must not run the walk out of descriptors).
+        stack: list[tuple[int, tuple[str, ...], list[tuple[str, int]]]] = []
         try:
-            while stack:
-                fd, prefix = stack.pop()
-                try:
-                    listing = self._listing(fd, prefix, now)
-                except OSError:
-                    unreadable.append(self.root.joinpath(*prefix))
-                    os.close(fd)
-                    continue
-                seen.add(prefix)
-                scanned += listing.count
-                if scanned > self.limit:
-                    os.close(fd)
-                    return DenyScan(self.root, tuple(found), True, scanned, tuple(unreadable))
-                for name, is_dir, _ in listing.pinned:
-                    pinned.append(Denied(self.root / name, is_dir))
-                for name, is_dir, is_link in listing.denied:
-                    found.append(self._entry(fd, name, (*prefix, name), is_dir, is_link))
-                for name, is_dir, is_link in listing.protected:
-                    protected.append(self._entry(fd, name, (*prefix, name), is_dir, is_link))
-                for name in reversed(listing.subdirs):
+            fd, prefix = root_fd, ()
+            while True:
+                if fd >= 0:
                     try:
-                        child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                    except OSError:
-                        unreadable.append(self.root.joinpath(*prefix, name))
-                        continue
-                    stack.append((child, (*prefix, name)))
-                os.close(fd)
+                        listing = self._listing(fd, prefix, now)
+                    except OSError as exc:
+                        failed.append(f"{self.root.joinpath(*prefix)}: {exc.strerror}")
+                        os.close(fd)
+                        fd = -1
+                        listing = _Listing()
+                    seen.add(prefix)
+                    scanned += listing.count
+                    if scanned > self.limit:
+                        os.close(fd)
+                        fd = -1
+                        return DenyScan(self.root, tuple(found), True, scanned, tuple(unreadable))
+                    for name, is_dir, _ in listing.pinned:
+                        pinned.append(Denied(self.root / name, is_dir))
+                    for name, is_dir, is_link in listing.denied:
+                        found.append(self._entry(fd, name, (*prefix, name), is_dir, is_link))
+                    for name, is_dir, is_link in listing.protected:
+                        protected.append(self._entry(fd, name, (*prefix, name), is_dir, is_link))
+                    if fd >= 0:
+                        stack.append((fd, prefix, list(reversed(listing.subdirs))))
+                    fd = -1
+                if not stack:
+                    break
+                parent, prefix, todo = stack[-1]
+                if not todo:
+                    os.close(parent)
+                    stack.pop()
+                    continue
+                name, ino = todo.pop()
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=parent)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                        raise _Changed from None  # swapped for a symlink or a file, or renamed away
+                    path = self.root.joinpath(*prefix, name)
+                    if exc.errno in (errno.EACCES, errno.EPERM) and os.geteuid() != 0:
+                        unreadable.append(path)  # the sandbox, the same uid, cannot read it either
+                    else:
+                        failed.append(f"{path}: {exc.strerror}")
+                    continue
+                if os.fstat(child).st_ino != ino:
+                    os.close(child)
+                    raise _Changed  # the name now holds another directory than the one listed
+                fd, prefix = child, (*prefix, name)
         finally:
-            for fd, _ in stack:
+            if fd >= 0:
                 os.close(fd)
+            for parent, _, _ in stack:
+                os.close(parent)
         for key in [k for k in self._listings if k not in seen]:
             del self._listings[key]  # directories gone since the last scan
-        return DenyScan(self.root, tuple(found), False, scanned, tuple(unreadable), tuple(protected), tuple(pinned))
+        return DenyScan(
+            self.root, tuple(found), False, scanned, tuple(unreadable), tuple(protected), tuple(pinned), tuple(failed)
+        )
 
     def _entry(self, fd: int, name: str, parts: tuple[str, ...], is_dir: bool, is_link: bool) -> Denied:
         nlink = 1
@@ -373,12 +412,16 @@ class WorkspaceScanner:
             if self._protected and _self_denied(parts, self._protected, ()):
                 listing.protected.append(item)
             if is_dir and parts not in _SKIP_DESCENT_AT:
-                listing.subdirs.append(entry.name)
+                listing.subdirs.append((entry.name, entry.inode()))
         if now - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
             self._listings[prefix] = (key, listing)
         else:
             self._listings.pop(prefix, None)
         return listing
+
+
+class _Changed(Exception):
+    """A directory was swapped while the walk looked at it."""
 
 
 @dataclass
@@ -389,7 +432,7 @@ class _Listing:
     denied: list[tuple[str, bool, bool]] = field(default_factory=list)
     protected: list[tuple[str, bool, bool]] = field(default_factory=list)
     pinned: list[tuple[str, bool, bool]] = field(default_factory=list)
-    subdirs: list[str] = field(default_factory=list)
+    subdirs: list[tuple[str, int]] = field(default_factory=list)  # (name, inode when listed)
 
 
 def find_denied(

@@ -413,8 +413,16 @@ def effective_policy(operator: Path | None = None, workspace: Path | None = None
     campaign_keys: set[str] = set()
     campaign_path = workspace / CAMPAIGN_POLICY if workspace is not None else None
     policy = op
-    if campaign_path is not None and campaign_path.is_file():
-        c_data = _read_toml(campaign_path)
+    campaign_text = None
+    if workspace is not None:
+        from sandman import campaign
+
+        campaign_text = campaign.read(workspace, "policy.toml")
+    if campaign_path is not None and campaign_text is not None:
+        try:
+            c_data = tomllib.loads(campaign_text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{campaign_path}: not valid TOML: {exc}") from None
         if "campaign" in c_data:
             raise ConfigError(f"{campaign_path}: key 'campaign': only the operator's policy can grant loosening")
         merged = _merge(op.model_dump(mode="json"), c_data)

@@ -335,6 +335,7 @@ class Runner:
         from sandman import poison
 
         baseline = poison.take_baseline(ws.path)
+        enforce.poison_gate(self.settings, ws, baseline)
         result = self._run_container(
             command,
             ws,

@@ -351,7 +351,9 @@ class Sandbox:
 
         path = self._baseline_path(session_id)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path.write_text(poison.take_baseline(self.workspace.path).model_dump_json())
+        baseline = poison.take_baseline(self.workspace.path)
+        enforce.poison_gate(self.settings, self.workspace, baseline)
+        path.write_text(baseline.model_dump_json())
 
     def _teardown(self, rec: SessionRecord, state: SessionState, reason: str) -> None:
         import shutil

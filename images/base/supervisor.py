@@ -121,6 +121,22 @@ def prepare(request: dict) -> tuple[list[str], list[int]]:
     return argv, opened
 
 
+def remove_tree(path: str) -> None:
+    """Remove an exec's private dir whatever modes the agent left in it (a mode-000 directory
+    would otherwise stay, and fill the session's /tmp for good): every directory is made
+    0700 first (the agent's uid owns them all), walking by descriptor, never following links."""
+    stack = [path]
+    while stack:
+        top = stack.pop()
+        try:
+            os.chmod(top, 0o700)  # the exec is over: nothing of its can swap this for a link now
+            with os.scandir(top) as it:
+                stack.extend(e.path for e in it if e.is_dir(follow_symlinks=False))
+        except OSError:
+            continue
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def place_fds(opened: list[int]) -> None:
     """Move the guard descriptors to GUARD_FD_BASE.. (inheritable); close every other fd >= 3."""
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in opened]
@@ -163,7 +179,13 @@ class Exec:
             in_r, in_w = os.pipe() if want_stdin else (os.open(os.devnull, os.O_RDONLY), -1)
         env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
         self.private_dirs = [str(p) for p in request.get("mkdirs") or []]
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (out_r, out_w, err_r, err_w, in_r, in_w):
+                if fd >= 0:
+                    os.close(fd)
+            raise
         if pid == 0:  # child: become the command (bwrap), with clean stdio
             code = 127
             try:
@@ -340,7 +362,7 @@ class Supervisor:
             if os.fork() == 0:
                 try:
                     for path in ex.private_dirs:
-                        shutil.rmtree(path, ignore_errors=True)
+                        remove_tree(path)
                 finally:
                     os._exit(0)
 

@@ -31,7 +31,7 @@ def one_line_error(stderr: str) -> str:
         (
             ["run", "--workspace", "{ws}", "--policy", "{ws}/missing.toml", "--", "true"],
             4,
-            "policy file not found",
+            "is neither a built-in policy",
         ),
         (["run", "--workspace", "{ws}", "--", "true", "a\x00b"], 2, None),
     ],

@@ -21,7 +21,7 @@ import pytest
 from sandman.policy import Policy
 from sandman.session import Sandbox
 from sandman.settings import Settings
-from tests.conftest import make_workspace
+from tests.conftest import SANDMAN, make_workspace
 
 UID = 1000
 
@@ -138,3 +138,32 @@ def test_a_clean_session_reports_nothing(engine: object, agent_image: str, ws: P
         )
         assert res.stdout == b"OK\n", res.stderr  # the agent can still commit (objects, refs, index)
     assert sb.poison == []
+
+
+def test_the_next_start_refuses_what_an_earlier_sandbox_left_until_the_operator_acts(
+    engine: object, agent_image: str, ws: Path, settings: Settings, marker: Path
+) -> None:
+    from sandman.enforce import PoisonedWorkspace
+
+    with Sandbox(ws, settings=settings) as sb:  # first use: the workspace as it is is the operator's
+        # The red team's route: .git is writable (objects, refs), so a missing .git/commondir can be made.
+        sb.exec(
+            [
+                "sh",
+                "-c",
+                "mkdir -p evil && cp -r .git/objects .git/refs .git/HEAD evil/ && "
+                f"printf '[core]\\n\\tfsmonitor = touch {marker}\\n' > evil/config && echo ../evil > .git/commondir",
+            ]
+        )
+    assert any("commondir" in line for line in sb.poison)  # reported at the end...
+    with pytest.raises(PoisonedWorkspace, match=r"\.git/commondir"):  # ...and the next start refuses
+        Sandbox(ws, settings=settings)
+    env = {**os.environ, "SANDMAN_STATE_DIR": str(settings.state_dir), "SANDMAN_RUNTIME_DIR": str(settings.runtime_dir)}
+    proc = subprocess.run(
+        [*SANDMAN, "inspect", "-w", str(ws), "--quarantine"], capture_output=True, text=True, env=env
+    )
+    assert "commondir" in proc.stdout and "quarantined" in proc.stderr, proc.stderr
+    host_git(ws, "status")
+    assert not marker.exists()
+    with Sandbox(ws, settings=settings) as sb:  # positive control: removed, it starts again
+        assert sb.exec(["true"]).exit_code == 0

@@ -477,3 +477,55 @@ def test_a_campaign_build_cannot_replace_sandmans_trusted_pieces(
     for img in engine.images(filters={"label": "io.sandman.campaign"}):  # type: ignore[attr-defined]
         if any(t.startswith(("sandman/campaign-evil", "sandman/campaign-shim")) for t in img["RepoTags"] or []):
             subprocess.run(["docker", "rmi", "-f", img["Id"]], capture_output=True)
+
+
+def test_what_is_built_is_what_was_checked(engine: object, agent_image: str, ws: Path, settings: Settings) -> None:
+    # The red team's race: the check reads .sandman/ once, the build read it again by path, and an
+    # exec swapped the files in between. Now the build and the policy read the checked snapshot.
+    from sandman.image import load_campaign
+    from sandman.runner import Runner
+
+    (ws / ".sandman").mkdir()
+    (ws / ".sandman" / "image.toml").write_text('name = "checked"\n')
+    (ws / ".sandman" / "policy.toml").write_text("[resources]\ncpus = 1.0\n")
+    make_workspace(ws)
+    runner = Runner(settings)
+    runner.check_campaign(ws)
+    (ws / ".sandman" / "image.toml").write_text('name = "swapped"\ndockerfile_lines = ["RUN touch /pwned"]\n')
+    (ws / ".sandman" / "policy.toml").write_text("[resources]\ncpus = 0.5\n")
+    assert load_campaign(ws).spec.dockerfile_lines == ()
+    assert load_campaign(ws).name == "checked"
+    assert runner.policy(None, ws).resources.cpus == 1.0
+    with pytest.raises(CampaignError, match="changed since"):  # positive control: a new check sees it
+        runner.check_campaign(ws)
+
+
+def test_a_campaign_cannot_change_the_supervisors_python_either(
+    engine: object, agent_image: str, ws: Path, settings: Settings
+) -> None:
+    (ws / ".sandman").mkdir()
+    (ws / ".sandman" / "image.toml").write_text(
+        'name = "stdlib"\ndockerfile_lines = ["RUN echo \\"import os\\" >> /usr/lib/python3.11/selectors.py"]\n'
+    )
+    make_workspace(ws)
+    with pytest.raises(Exception, match=r"replaces sandman's trusted pieces \(/usr/lib/python3.11\)"):
+        Sandbox(ws, settings=settings)
+    for img in engine.images(filters={"label": "io.sandman.campaign=stdlib"}):  # type: ignore[attr-defined]
+        subprocess.run(["docker", "rmi", "-f", img["Id"]], capture_output=True)
+
+
+def test_an_execs_private_tmp_is_removed_whatever_modes_it_left(sb: Sandbox, engine: object) -> None:
+    # The red team's wedge: a mode-000 directory full of files outlived its exec and filled the
+    # session's /tmp for good. The supervisor makes every directory 0700 before removing the tree.
+    script = "mkdir -p /tmp/d/e && head -c 50000000 /dev/zero > /tmp/d/e/big && chmod 000 /tmp/d/e /tmp/d && echo OK"
+    assert sh(sb, script)[1] == "OK\n"
+    deadline = time.monotonic() + 10
+    used = ""
+    while time.monotonic() < deadline:
+        ex = engine.exec_create(sb.record.container_id, ["sh", "-c", "du -sk /tmp | cut -f1"], user=f"{UID}:{UID}")  # type: ignore[attr-defined]
+        used = engine.exec_start(ex["Id"]).decode().strip()  # type: ignore[attr-defined]
+        if used.isdigit() and int(used) < 1024:
+            break
+        time.sleep(0.2)
+    assert used.isdigit() and int(used) < 1024, f"/tmp still holds {used} KiB"
+    assert sh(sb, "echo next")[1] == "next\n"  # positive control: the session goes on

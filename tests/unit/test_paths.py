@@ -383,3 +383,59 @@ def test_find_denied_on_20k_files_is_fast(tmp_path: Path) -> None:
     assert elapsed < 5.0, f"find_denied took {elapsed:.2f}s on {scan.scanned} entries"
     if os.environ.get("SANDMAN_PRINT_TIMINGS"):
         print(f"find_denied: {scan.scanned} entries in {elapsed * 1000:.0f} ms")
+
+
+def test_a_directory_with_more_subdirectories_than_descriptors_is_still_walked(tmp_path: Path) -> None:
+    import resource
+
+    from sandman.paths import WorkspaceScanner
+
+    root = tmp_path / "ws"
+    (root / "config").mkdir(parents=True)
+    (root / "config" / "credentials.json").write_text("x")
+    for i in range(400):
+        (root / f"zz{i:04d}").mkdir()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        scan = WorkspaceScanner(root).scan()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert not scan.failed and not scan.truncated
+    assert [d.path.name for d in scan.paths] == ["credentials.json"]
+
+
+def test_a_directory_swapped_during_the_walk_never_hides_a_secret(tmp_path: Path) -> None:
+    import ctypes
+    import threading
+
+    from sandman.paths import WorkspaceScanner
+
+    root = tmp_path / "ws"
+    (root / "config").mkdir(parents=True)
+    (root / "config" / "credentials.json").write_text("x")
+    (root / "decoy").mkdir()
+    (root / "decoy" / "readme").write_text("x")
+    libc = ctypes.CDLL(None, use_errno=True)
+    stop = threading.Event()
+
+    def flip() -> None:  # renameat2(RENAME_EXCHANGE) config <-> decoy, as fast as it goes
+        a, b = os.fsencode(root / "config"), os.fsencode(root / "decoy")
+        while not stop.is_set():
+            libc.syscall(316, -100, a, -100, b, 2)
+
+    t = threading.Thread(target=flip, daemon=True)
+    t.start()
+    complete = missed = 0
+    try:
+        for _ in range(400):
+            scan = WorkspaceScanner(root).scan()  # fresh each time: no cache to lean on
+            if scan.failed:
+                continue  # fail closed: the caller refuses to start
+            complete += 1
+            missed += not any(d.path.name == "credentials.json" for d in scan.paths)
+    finally:
+        stop.set()
+        t.join()
+    assert missed == 0
+    assert complete > 0  # positive control: most walks finish even under the flipper
