@@ -159,7 +159,10 @@ class Handler(socketserver.StreamRequestHandler):
             runner = self._runner(settings, lambda msg: send(protocol.PROGRESS, msg.encode()))
             ws = resolve_workspace(args.get("workspace") or ".")
             runner.check_campaign(ws.path, bool(args.get("accept_campaign")))
-            policy = runner.policy(Path(args["policy"]) if args.get("policy") else None, ws.path)
+            from sandman.policy import named_policy_path
+
+            operator = named_policy_path(str(args["policy"]), args.get("cwd")) if args.get("policy") else None
+            policy = runner.policy(operator, ws.path)
             memory = args.get("memory")
             policy = policy.with_resources(
                 cpus=args.get("cpus"),
@@ -232,6 +235,7 @@ def _stop_ended_relays() -> None:
             if rec is None or not SessionState(rec.state).live:
                 host.stop(session_id)
         store.close()
+        host.revive()  # a relay that died (crash, memory limit) is restarted; its session lives on
     except Exception:
         logger.exception("checking relays failed")
 
@@ -275,9 +279,62 @@ def main(argv: list[str] | None = None) -> int:
         "--idle", type=float, default=float(os.environ.get("SANDMAN_CONTROLLER_IDLE_S", DEFAULT_IDLE_S))
     )
     ns = parser.parse_args(argv)
+    path = ns.socket or protocol.socket_path()
+    _log_to_rotating_file(path.with_suffix(".log"))
+    from sandman.relay import raise_nofile_limit
+
+    raise_nofile_limit()  # a session's flood is its relay's problem; this process keeps descriptors
+    return serve(path, ns.idle)
+
+
+class _ToLog:
+    """sys.stdout/sys.stderr of the controller: lines into the rotating log."""
+
+    def __init__(self, level: str) -> None:
+        self.level, self.buf = level, ""
+        self.busy = threading.local()
+
+    def write(self, text: str) -> int:
+        if getattr(self.busy, "on", False):  # the log itself failed and says so: drop, never loop
+            return len(text)
+        self.busy.on = True
+        try:
+            return self._write(text)
+        finally:
+            self.busy.on = False
+
+    def _write(self, text: str) -> int:
+        self.buf += text
+        *lines, self.buf = self.buf.split("\n")
+        for line in lines:
+            logger.log(self.level, "{}", line[:4000])
+        if len(self.buf) > 4000:
+            logger.log(self.level, "{}", self.buf[:4000])
+            self.buf = ""
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _log_to_rotating_file(path: Path) -> None:
+    """Everything this process logs goes to ``path``, rotated at ``log_rotation_bytes`` with
+    ``log_retention_files`` old files kept: a flood costs at most their product in disk. The
+    descriptors the client gave us for stdout and stderr (the same file, never rotated) get
+    nothing more after this."""
+    try:
+        settings = Settings.load()
+        rotation, retention = settings.log_rotation_bytes, settings.log_retention_files
+    except SandmanError:
+        rotation, retention = 10 << 20, 3
     logger.remove()
-    logger.add(sys.stderr, level="INFO")
-    return serve(ns.socket or protocol.socket_path(), ns.idle)
+    logger.add(path, level="INFO", rotation=rotation, retention=retention, encoding="utf-8")
+    sys.stdout, sys.stderr = _ToLog("INFO"), _ToLog("ERROR")
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,9 @@ class Helper:
     name: ClassVar[str]
     description: ClassVar[str]
     Config: ClassVar[type[_Config]] = _Config
+    # True only for a helper that can neither block nor take long (no I/O, bounded work): it runs
+    # on the relay's own loop. Every other helper runs in a thread of its own (HelperThreads).
+    inline: ClassVar[bool] = False
 
     def __init__(self, config: _Config, settings: Settings) -> None:
         self.config = config

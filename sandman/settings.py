@@ -10,7 +10,7 @@ import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import (
@@ -75,6 +75,46 @@ class Settings(BaseSettings):
     )
     engine_timeout_s: float = Field(default=60.0, gt=0, description="timeout of one engine API call")
     helpers_dir: Path | None = Field(default=None, description="operator upcall helpers (executables)")
+    # -- upcall relay bulkheads: what one session may cost the host (see sandman/relay.py) --------
+    relay_isolation: Literal["process", "shared"] = Field(
+        default="process",
+        description="'process': each session's relay is its own process (a flood, leak or crash stays in "
+        "its session); 'shared': all relays on one event loop in the hosting process",
+    )
+    upcall_call_timeout_s: float = Field(default=120.0, gt=0, description="one upcall's deadline")
+    upcall_scan_timeout_s: float = Field(
+        default=10.0, gt=0, description="credential check of one upcall's arguments or output; slower is refused"
+    )
+    upcall_rate_per_s: float = Field(default=20.0, gt=0, description="upcalls per second per session")
+    upcall_rate_burst: int = Field(default=50, ge=1, description="upcall burst per session")
+    upcall_max_connections: int = Field(default=32, ge=1, description="open connections per session")
+    upcall_max_pending: int = Field(default=8, ge=1, description="helper calls in progress per session")
+    upcall_max_inflight_bytes: int = Field(
+        default=32 << 20, ge=1 << 20, description="request and reply bytes buffered per session"
+    )
+    upcall_write_timeout_s: float = Field(default=10.0, gt=0, description="a reply not read by then is dropped")
+    upcall_idle_timeout_s: float = Field(default=60.0, gt=0, description="a connection silent this long is closed")
+    upcall_max_fds: int = Field(default=256, ge=64, description="descriptors of one session's relay process")
+    upcall_memory_bytes: int = Field(
+        default=1 << 30, ge=128 << 20, description="data memory of one session's relay process (RLIMIT_DATA)"
+    )
+    upcall_log_lines_per_min: int = Field(default=60, ge=1, description="host log lines per session per minute")
+    # -- audit store bounds -------------------------------------------------------------------------
+    audit_record_max_bytes: int = Field(
+        default=4096, ge=512, description="one audit record; longer values are cut to a head, length and digest"
+    )
+    audit_records_per_min: int = Field(
+        default=600, ge=10, description="audit records one session may write per minute; the rest are counted"
+    )
+    audit_coalesce_s: float = Field(
+        default=60.0, ge=0, description="identical refusals within this window become one record with a count"
+    )
+    audit_max_bytes: int = Field(
+        default=64 << 20, ge=1 << 20, description="state database size cap; the oldest audit records go first"
+    )
+    audit_retention_days: float = Field(default=90.0, gt=0, description="audit records older than this are deleted")
+    log_rotation_bytes: int = Field(default=10 << 20, ge=1 << 16, description="a log file rotates at this size")
+    log_retention_files: int = Field(default=3, ge=1, description="rotated log files kept")
 
     @classmethod
     def settings_customise_sources(

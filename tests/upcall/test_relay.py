@@ -18,7 +18,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sandman import relay as relay_mod
 from sandman.policy import Policy
 from sandman.relay import RelayContext, RelayHost
 from sandman.settings import Settings
@@ -41,23 +40,38 @@ def helpers_dir(tmp_path: Path) -> Path:
     return d
 
 
-@pytest.fixture
-def relay(tmp_path: Path, helpers_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RelayContext]:
-    monkeypatch.setattr(relay_mod, "CALL_TIMEOUT_S", 2.0)
-    monkeypatch.setenv("SANDMAN_TOKEN_LIKE", "should-not-reach-helpers")
-    settings = Settings(state_dir=tmp_path / "state", runtime_dir=tmp_path / "run", helpers_dir=helpers_dir)
+def start_relay(tmp_path: Path, helpers_dir: Path, **overrides: object) -> RelayContext:
+    # Limits are settings: the relay runs in a process of its own, out of monkeypatch's reach.
+    settings = Settings(
+        state_dir=tmp_path / "state",
+        runtime_dir=tmp_path / "run",
+        helpers_dir=helpers_dir,
+        upcall_call_timeout_s=2.0,
+        **overrides,  # type: ignore[arg-type]
+    )
     policy = Policy.model_validate(
         {"upcalls": {"helpers": {"noop": {}, "hang": {}, "flood": {}, "envdump": {"mode": "x"}, "fail": {}}}}
     )
     ws_path = tmp_path / "ws"
-    ws_path.mkdir()
+    ws_path.mkdir(exist_ok=True)
     sock = tmp_path / "run" / "upcall.sock"
-    sock.parent.mkdir(parents=True)
+    sock.parent.mkdir(parents=True, exist_ok=True)
     ctx = RelayContext("sm-test", "camp", Workspace(ws_path, os.getuid(), os.getgid()), policy, settings, sock)
-    host = RelayHost.shared()
-    host.start(ctx)
-    yield ctx
-    host.stop("sm-test")
+    RelayHost.shared().start(ctx)
+    return ctx
+
+
+@pytest.fixture
+def relay(tmp_path: Path, helpers_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RelayContext]:
+    monkeypatch.setenv("SANDMAN_TOKEN_LIKE", "should-not-reach-helpers")
+    yield start_relay(tmp_path, helpers_dir)
+    RelayHost.shared().stop("sm-test")
+
+
+@pytest.fixture
+def unlimited_relay(tmp_path: Path, helpers_dir: Path) -> Iterator[RelayContext]:
+    yield start_relay(tmp_path, helpers_dir, upcall_rate_per_s=1e9, upcall_rate_burst=10**9)
+    RelayHost.shared().stop("sm-test")
 
 
 def rpc(path: Path, payload: bytes | dict, timeout: float = 10) -> dict:  # type: ignore[type-arg]
@@ -166,10 +180,8 @@ def test_a_silent_connection_blocks_nobody(relay: RelayContext) -> None:
             s.close()
 
 
-def test_thousands_of_concurrent_connections(relay: RelayContext, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(relay_mod, "RATE_PER_S", 1e9)
-    host = RelayHost.shared()
-    host.relays["sm-test"].bucket = relay_mod._Bucket(1e9, 10**9)
+def test_thousands_of_concurrent_connections(unlimited_relay: RelayContext) -> None:
+    relay = unlimited_relay
     n = 2000
     with ThreadPoolExecutor(64) as pool:
         results = list(
@@ -213,10 +225,10 @@ def test_relay_restart_keeps_the_socket_path(relay: RelayContext) -> None:
         ).map(lambda d: json.dumps(d).encode() + b"\n"),
     )
 )
-def test_fuzzed_input_always_gets_an_answer_and_the_relay_survives(relay: RelayContext, payload: bytes) -> None:
-    host = RelayHost.shared()
-    host.relays["sm-test"].bucket = relay_mod._Bucket(1e9, 10**9)
-    reply = rpc(relay.socket_path, payload)
+def test_fuzzed_input_always_gets_an_answer_and_the_relay_survives(
+    unlimited_relay: RelayContext, payload: bytes
+) -> None:
+    reply = rpc(unlimited_relay.socket_path, payload)
     assert reply.get("jsonrpc") == "2.0" and ("error" in reply or "result" in reply)
     if "error" in reply:
         assert isinstance(reply["error"]["code"], int) and reply["error"]["message"]
