@@ -973,9 +973,7 @@ def policy_check(file: Path, workspace: Path | None, json_out: bool) -> None:
 
             ws = resolve_workspace(workspace)
             pol = effective_policy(resolved if resolved.name != CAMPAIGN_POLICY.name else None, ws.path).policy
-            warnings = [
-                f"{c.name}: {c.detail}" for c in workspace_checks(Settings.load(), ws.path, pol) if not c.ok
-            ]
+            warnings = [f"{c.name}: {c.detail}" for c in workspace_checks(Settings.load(), ws.path, pol) if not c.ok]
     except SandmanError as exc:
         if json_out:
             _emit({"ok": False, "error": str(exc)})
@@ -1157,12 +1155,12 @@ def inspect_workspace(workspace: Path, do_quarantine: bool, accept: bool, json_o
         _fail(WorkspaceError(f"workspace {str(workspace)!r} is not a directory: pass the project's directory"))
     findings = poison.scan_workspace(ws)
     if accept:
-        from sandman.enforce import accept_poison
+        from sandman.enforce import _gate_key, accept_poison
         from sandman.settings import Settings
         from sandman.workspace import resolve_workspace
 
         try:
-            accept_poison(Settings.load(), resolve_workspace(ws), [f.fingerprint() for f in findings])
+            accept_poison(Settings.load(), resolve_workspace(ws), [_gate_key(f) for f in findings])
         except SandmanError as exc:
             _fail(exc)
         _say(f"accepted {len(findings)} finding(s) in {ws} as yours: sandboxes start there again")

@@ -463,8 +463,22 @@ def advisory_warnings(policy: Policy) -> list[str]:
     return []
 
 
-# What a finding must be to stop the next start: something the host's own tools would run or obey.
-GATED_KINDS = frozenset({"exec", "redirect", "include", "hook", "gitdir", "autorun"})
+# What a finding must be to stop the next start: something the host's own tools would run or obey,
+# and anything the scan could not see through (a config too big to read whole, a line it could
+# not parse, a tree too deep or too large): an incomplete check fails closed. A nested repository
+# or a look-alike git dir alone runs nothing; what its config holds is a finding of its own.
+GATED_KINDS = frozenset(
+    {"exec", "redirect", "include", "hook", "gitdir", "autorun", "special", "unparsed", "truncated", "error"}
+)
+
+
+def _gate_key(finding: Any) -> str:
+    """A finding's identity for acceptance; a truncated scan is one thing whatever its counts."""
+    if finding.kind in ("truncated", "error"):
+        import hashlib
+
+        return hashlib.sha256(f"{finding.kind}:{finding.path}:{finding.key}".encode()).hexdigest()[:32]
+    return str(finding.fingerprint())
 
 
 class PoisonedWorkspace(ConfigError):
@@ -499,9 +513,9 @@ def poison_gate(settings: Settings, ws: Workspace, baseline: Any) -> None:
     try:
         known = set(json.loads(path.read_text()).get("accepted", []))
     except (OSError, ValueError):
-        accept_poison(settings, ws, [f.fingerprint() for f in findings])
+        accept_poison(settings, ws, [_gate_key(f) for f in findings])
         return
-    new = [f for f in findings if f.fingerprint() not in known]
+    new = [f for f in findings if _gate_key(f) not in known]
     if new:
         lines = "; ".join(f.line() for f in new[:5]) + (" ..." if len(new) > 5 else "")
         raise PoisonedWorkspace(

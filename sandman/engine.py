@@ -82,6 +82,9 @@ def container_kwargs(spec: ContainerSpec) -> dict[str, Any]:
         # Unmasked /proc and uid 0 together let a process write the host's kernel settings.
         raise ValueError("the sandbox container never runs as uid 0")
     res = spec.resources
+    # A file may pass the workspace quota by half of it at most (the watchdog stops the command
+    # first at the disk's pace; this bounds what one file reaches by any faster route).
+    fsize = min(res.max_file_size, res.workspace_quota * 3 // 2) if res.workspace_quota else res.max_file_size
     env = {"PATH": SANDBOX_PATH, "HOME": HOME, "LANG": "C.UTF-8", **spec.env}
     # The engine's own HostConfig form, so this is exactly what `docker inspect` shows back.
     host_config: dict[str, Any] = {
@@ -105,7 +108,8 @@ def container_kwargs(spec: ContainerSpec) -> dict[str, Any]:
         "MaskedPaths": [],
         "ReadonlyPaths": [],
         "Ulimits": [
-            {"Name": "fsize", "Soft": res.max_file_size, "Hard": res.max_file_size},
+            # No single file may outgrow the workspace quota, whatever the disk watchdog samples.
+            {"Name": "fsize", "Soft": fsize, "Hard": fsize},
             {"Name": "nofile", "Soft": res.open_files, "Hard": res.open_files},
             {"Name": "core", "Soft": 0, "Hard": 0},
         ],

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sandman.errors import ConfigError
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_NAME = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]*\Z")  # \Z: a trailing newline is not a name
 RESERVED_PREFIX = "SANDMAN_"  # set only by the controller
 
 DEFAULT_REFUSED_NAMES: tuple[str, ...] = (

@@ -320,7 +320,8 @@ class WorkspaceScanner:
         # directory with thousands of subdirectories must not run the walk out of descriptors).
         stack: list[tuple[int, tuple[str, ...], list[tuple[str, int]]]] = []
         try:
-            fd, prefix = root_fd, ()
+            fd = root_fd
+            prefix: tuple[str, ...] = ()
             while True:
                 if fd >= 0:
                     try:

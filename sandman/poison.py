@@ -42,8 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_ENTRIES = 200_000  # directory entries looked at before the scan stops (and says so)
 MAX_SECONDS = 30.0
-MAX_DEPTH = 128  # directory depth (each level holds one descriptor while below it)
-MAX_FILE_BYTES = 1 << 20  # read from one file; a larger config is reported as such
+MAX_DEPTH = 256  # directory depth; deeper makes the check incomplete, which gates the next start
+MAX_FILE_BYTES = 16 << 20  # read from one file; a larger config is reported (and gates the next start)
 MAX_TOTAL_BYTES = 64 << 20
 MAX_FINDINGS = 2000
 MAX_INCLUDE_DEPTH = 10  # git's own limit

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from sandman import bwrap, enforce, resources
+from sandman import bwrap, enforce, resources, seccomp
 from sandman.causes import ENOSPC_TEXT, CgroupWatch, Counters, OutputCap
 from sandman.engine import ContainerSpec, connect, container_kwargs, engine_retry, state_id_for
 from sandman.errors import SandboxError, SandmanError, UsageError, WorkspaceError
@@ -402,7 +402,7 @@ class Runner:
             uid=ws.uid,
             gid=ws.gid,
             resources=policy.resources,
-            seccomp_profile=resources.seccomp_profile_path().read_text(),
+            seccomp_profile=seccomp.profile_for(policy.commands.allow is not None),
             runtime=policy.runtime,
             state_id=state_id_for(self.settings.state_dir),
             kind=kind,
@@ -433,7 +433,11 @@ class Runner:
         layer2 = layer2 or enforce.plain_layer2()
         started = time.monotonic()
         runtime_dir = make_runtime_dir(self.settings, session_id, ws)
-        relay = self._start_relay(session_id, campaign, ws, policy, runtime_dir) if kind == "sandbox" else None
+        relay = (
+            self._start_relay(session_id, campaign, ws, policy, runtime_dir, layer2.env.known_secrets)
+            if kind == "sandbox"
+            else None
+        )
         env_file = None
         if layer2.env.private:
             env_file = enforce.write_env_file(runtime_dir, ws, layer2.env.private)[1]
@@ -567,13 +571,29 @@ class Runner:
         return RunResult(exit_code, cause, duration, session_id)
 
     def _start_relay(
-        self, session_id: str, campaign: str, ws: Workspace, policy: Policy, runtime_dir: Path
+        self,
+        session_id: str,
+        campaign: str,
+        ws: Workspace,
+        policy: Policy,
+        runtime_dir: Path,
+        known: Mapping[str, str] | None = None,
     ) -> RelayHost | None:
         """An upcall relay for the run's lifetime, when the policy names any helper."""
         if not policy.upcalls.helpers:
             return None
         host = RelayHost.shared()
-        host.start(RelayContext(session_id, campaign, ws, policy, self.settings, upcall_socket(runtime_dir)))
+        host.start(
+            RelayContext(
+                session_id,
+                campaign,
+                ws,
+                policy,
+                self.settings,
+                upcall_socket(runtime_dir),
+                extra_secrets=dict(known or {}),
+            )
+        )
         return host
 
     def _kill(self, container_id: str) -> None:

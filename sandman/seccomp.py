@@ -17,6 +17,7 @@ CLONE_NAMESPACE_FLAGS = 0x7E020000
 AF_VSOCK = 40
 ENOSYS = 38
 EPERM = 1
+EOPNOTSUPP = 95
 
 
 class Relaxation(StrEnum):
@@ -43,7 +44,7 @@ ALLOWED_SYSCALLS: tuple[str, ...] = (
     "dup", "dup2", "dup3", "epoll_create", "epoll_create1", "epoll_ctl", "epoll_ctl_old",
     "epoll_pwait", "epoll_pwait2", "epoll_wait", "epoll_wait_old", "eventfd", "eventfd2",
     "execve", "execveat", "exit", "exit_group", "faccessat", "faccessat2", "fadvise64",
-    "fadvise64_64", "fallocate", "fchdir", "fchmod", "fchmodat", "fchmodat2", "fchown",
+    "fadvise64_64", "fchdir", "fchmod", "fchmodat", "fchmodat2", "fchown",
     "fchown32", "fchownat", "fcntl", "fcntl64", "fdatasync", "fgetxattr", "flistxattr",
     "flock", "fork", "fremovexattr", "fsetxattr", "fstat", "fstat64", "fstatat64", "fstatfs",
     "fstatfs64", "fsync", "ftruncate", "ftruncate64", "futex", "futex_requeue", "futex_time64",
@@ -59,7 +60,7 @@ ALLOWED_SYSCALLS: tuple[str, ...] = (
     "landlock_add_rule", "landlock_create_ruleset", "landlock_restrict_self", "lchown",
     "lchown32", "lgetxattr", "link", "linkat", "listen", "listxattr", "llistxattr", "_llseek",
     "lremovexattr", "lseek", "lsetxattr", "lstat", "lstat64", "madvise", "map_shadow_stack",
-    "membarrier", "memfd_create", "mincore", "mkdir", "mkdirat", "mknod", "mknodat", "mlock",
+    "membarrier", "mincore", "mkdir", "mkdirat", "mknod", "mknodat", "mlock",
     "mlock2", "mlockall", "mmap", "mmap2", "mprotect", "mq_getsetattr", "mq_notify",
     "mq_open", "mq_timedreceive", "mq_timedreceive_time64", "mq_timedsend",
     "mq_timedsend_time64", "mq_unlink", "mremap", "msgctl", "msgget", "msgrcv", "msgsnd",
@@ -111,9 +112,18 @@ def _arg(index: int, value: int, op: str, value_two: int = 0) -> dict[str, Any]:
     return {"index": index, "value": value, "valueTwo": value_two, "op": op}
 
 
-def build_profile(without: frozenset[Relaxation] = frozenset()) -> dict[str, Any]:
-    """The profile as a dict; ``without`` drops relaxations (used only by minimality tests)."""
+def build_profile(without: frozenset[Relaxation] = frozenset(), *, exec_allowlist: bool = False) -> dict[str, Any]:
+    """The profile as a dict; ``without`` drops relaxations (used only by minimality tests).
+
+    ``exec_allowlist``: the policy restricts which programs run (Landlock, in the exec shim);
+    memfd_create is then refused, since an anonymous memory file is outside every path rule and
+    could be executed through /proc/self/fd."""
     rules: list[dict[str, Any]] = [_allow(list(ALLOWED_SYSCALLS))]
+    if not exec_allowlist:
+        rules.append(_allow(["memfd_create"]))
+    # fallocate reserves gigabytes in microseconds, faster than any watchdog samples the disk:
+    # EOPNOTSUPP makes posix_fallocate write the blocks instead, at the disk's own pace.
+    rules.append({"names": ["fallocate"], "action": "SCMP_ACT_ERRNO", "errnoRet": EOPNOTSUPP, "args": []})
     rules += [_allow(["personality"], [_arg(0, v, "SCMP_CMP_EQ")]) for v in PERSONALITY_VALUES]
     # socket(2) for every family but AF_VSOCK (a path to the hypervisor host).
     rules.append(_allow(["socket"], [_arg(0, AF_VSOCK, "SCMP_CMP_NE")]))
@@ -135,6 +145,15 @@ def build_profile(without: frozenset[Relaxation] = frozenset()) -> dict[str, Any
         "archMap": ARCH_MAP,
         "syscalls": rules,
     }
+
+
+def profile_for(exec_allowlist: bool) -> str:
+    """The JSON text a sandbox's container gets: the shipped profile, or its allowlist variant."""
+    from sandman import resources
+
+    if not exec_allowlist:
+        return resources.seccomp_profile_path().read_text()
+    return render(build_profile(exec_allowlist=True))
 
 
 def render(profile: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ import json
 import os
 import secrets as _secrets
 import select
+import shutil
 import socket
 import stat
 import threading
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sandman import bwrap, enforce, resources
+from sandman import bwrap, enforce, seccomp
 from sandman.causes import CgroupWatch, OutputCap
 from sandman.engine import ContainerSpec, container_kwargs, engine_retry, state_id_for
 from sandman.errors import SandboxError, SandmanError, UsageError
@@ -221,7 +222,7 @@ class Sandbox:
             uid=self.workspace.uid,
             gid=self.workspace.gid,
             resources=res,
-            seccomp_profile=resources.seccomp_profile_path().read_text(),
+            seccomp_profile=seccomp.profile_for(self.policy.commands.allow is not None),
             runtime=self.policy.runtime,
             state_id=state_id_for(self.settings.state_dir),
             kind=kind,
@@ -254,7 +255,13 @@ class Sandbox:
             policy=self.policy.model_dump_json(),
         )
         self.state.add_session(rec)
-        self._save_baseline(session_id)
+        try:
+            self._history_secrets(session_id)  # `refuse` stops here, before any container exists
+            self._save_baseline(session_id)
+        except BaseException:
+            self.state.end_session(session_id, SessionState.STOPPED, "refused at start")
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+            raise
         try:
             container_id = engine_retry(self.api.create_container)(**kwargs)["Id"]
             rec.container_id = container_id
@@ -328,7 +335,32 @@ class Sandbox:
         return upcall_socket(rec.runtime_dir)
 
     def _relay_context(self, rec: SessionRecord) -> RelayContext:
-        return RelayContext(rec.id, rec.campaign, self.workspace, self.policy, self.settings, self._upcall_sock(rec))
+        return RelayContext(
+            rec.id,
+            rec.campaign,
+            self.workspace,
+            self.policy,
+            self.settings,
+            self._upcall_sock(rec),
+            extra_secrets={
+                **enforce.known_secrets(self.settings, self.policy, os.environ),
+                **self._history_secrets(rec.id),
+            },
+        )
+
+    def _history_secrets(self, session_id: str) -> dict[str, str]:
+        """The repository's historical deny-listed file versions (``filesystem.git_history``),
+        found once per handle: scrubbed from output, the audit, files API reads and upcalls."""
+        if self._history is None:
+            self._history = enforce.history_secrets(
+                self.workspace,
+                self.policy,
+                self.settings,
+                progress=self._runner.progress,
+                audit=lambda event, verdict, **d: self.state.audit(session_id, event, verdict, **d),
+            )
+            self._history_values.update(self._history)
+        return self._history
 
     def _start_relay(self, rec: SessionRecord, owned: bool) -> None:
         """The session's upcall relay: in this process when it owns the session, else in the
@@ -435,15 +467,7 @@ class Sandbox:
         except enforce.CommandRefused as exc:
             self._runner.refuse(self.id, exc, argv)
             raise
-        if self._history is None:
-            self._history = enforce.history_secrets(
-                self.workspace,
-                self.policy,
-                self.settings,
-                progress=self._runner.progress,
-                audit=lambda event, verdict, **d: self.state.audit(self.id, event, verdict, **d),
-            )
-            self._history_values.update(self._history)
+        self._history_secrets(self.id)
         limits = json.loads(self.record.limits)
         extra = {**(limits.get("campaign_env") or {}), **(env or {})}
         try:
@@ -457,7 +481,7 @@ class Sandbox:
         except enforce.EnvRefused as exc:
             self._runner.refuse(self.id, exc, argv)
             raise
-        sandbox_env.known_secrets.update(self._history)
+        sandbox_env.known_secrets.update(self._history_secrets(self.id))
         return enforce.Layer2(
             sandbox_env,
             self.masks(),

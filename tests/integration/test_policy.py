@@ -178,7 +178,7 @@ def test_campaign_policy_may_tighten_but_not_loosen(
 ) -> None:
     ws = tmp_path / "camp"
     (ws / ".sandman").mkdir(parents=True)
-    (ws / ".sandman" / "policy.toml").write_text('[resources]\npids = 64\n[commands]\nallow = ["sh", "true"]\n')
+    (ws / ".sandman" / "policy.toml").write_text('[resources]\npids = 64\n[commands]\nallow = ["sh", "true", "cat"]\n')
     make_workspace(ws)
     ok = run(ws, cli_env, "sh", "-c", "cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max")
     assert ok.returncode == 0 and ok.stdout.strip() == "64", ok.stderr

@@ -45,6 +45,7 @@ def sh_python(engine: object, agent_image: str, ws: Path, settings: Settings) ->
 
 
 EXECV = "import os; os.execv('/usr/bin/git', ['git', '--version'])"
+EXECV_PY = EXECV
 
 
 @pytest.mark.parametrize(
@@ -56,13 +57,26 @@ EXECV = "import os; os.execv('/usr/bin/git', ['git', '--version'])"
         # /tmp is noexec anyway: copy into the workspace, which is not
         "cp /usr/bin/git ./g && ./g --version",
         "python3 -c \"import shutil; shutil.copy('/usr/bin/git', 'g2')\" && chmod +x g2; ./g2 --version",
+        # An anonymous memory file is outside every Landlock path rule: memfd_create is refused.
+        "python3 -c \"import os; fd = os.memfd_create('x'); os.write(fd, open('/usr/bin/git', 'rb').read()); "
+        "os.execve(f'/proc/self/fd/{fd}', ['git', '--version'], {})\"",
     ],
-    ids=["shell", "python-execv", "find-exec", "copied-binary", "python-copy"],
+    ids=["shell", "python-execv", "find-exec", "copied-binary", "python-copy", "memfd"],
 )
 def test_a_program_outside_the_allowlist_cannot_run_whatever_spawns_it(sh_python: Sandbox, script: str) -> None:
     res = sh_python.exec(["sh", "-c", script])
     assert b"git version" not in res.stdout
     assert b"Permission denied" in res.stderr or b"PermissionError" in res.stderr, res.stderr
+
+
+def test_the_execs_own_path_cannot_redefine_what_is_allowed(sh_python: Sandbox) -> None:
+    # The red team's route: name git "sh" on a PATH of the agent's choosing, so resolving the
+    # allowlist on that PATH allowed git. The shim resolves it on sandman's own PATH.
+    sh_python.exec(
+        ["python3", "-c", "import os; os.makedirs('bin', exist_ok=True); os.symlink('/usr/bin/git', 'bin/sh')"]
+    )
+    res = sh_python.exec(["python3", "-c", EXECV_PY], env={"PATH": "/workspace/bin:/usr/local/bin:/usr/bin:/bin"})
+    assert b"git version" not in res.stdout and b"PermissionError" in res.stderr, res.stderr
 
 
 def test_allowed_programs_and_builtins_still_run(sh_python: Sandbox) -> None:

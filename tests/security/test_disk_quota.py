@@ -112,3 +112,24 @@ def test_a_session_exec_that_fills_the_disk_is_stopped_and_a_canary_keeps_workin
         (ws / "big").unlink()
         assert sb.exec(["sh", "-c", "head -c 1048576 /dev/zero > small && echo ok"]).stdout == b"ok\n"
     assert {k: v for k, v in digests(ws).items() if k != "small"} == before
+
+
+def test_fallocate_cannot_reserve_past_the_quota_between_two_samples(
+    engine: object, agent_image: str, ws: Path, settings: Settings
+) -> None:
+    # The red team's route: posix_fallocate reserved 4 GiB in 5 ms, between two samples. fallocate
+    # answers EOPNOTSUPP (the C library then writes the blocks, at the disk's pace) and no file may
+    # outgrow the quota (RLIMIT_FSIZE).
+    script = (
+        "import os\n"
+        "for i in range(4):\n"
+        "    fd = os.open(f'fa{i}', os.O_WRONLY | os.O_CREAT, 0o644)\n"
+        "    os.posix_fallocate(fd, 0, 1 << 30)\n"
+        "    os.close(fd)\n"
+    )
+    with Sandbox(ws, settings=settings) as sb:
+        res = sb.exec(["python3", "-c", script])
+    total = sum((ws / f"fa{i}").stat().st_blocks * 512 for i in range(4) if (ws / f"fa{i}").exists())
+    print(f"fallocate: {total >> 20} MiB allocated (quota {QUOTA >> 20} MiB), cause {res.cause}")
+    assert total < QUOTA + OVERSHOOT
+    assert res.cause == ExitCause.DISK_QUOTA

@@ -112,3 +112,15 @@ def test_a_copy_read_through_the_files_api_is_scrubbed_too(
         data = sb.files.read("copy.txt")
     assert VALUE.encode() not in data and b"REDACTED" in data
     assert VALUE in (ws / "copy.txt").read_text()  # positive control: the copy holds it
+
+
+def test_a_history_secret_in_an_upcall_argument_is_refused(
+    engine: object, agent_image: str, ws: Path, settings: Settings
+) -> None:
+    policy = Policy.model_validate({"upcalls": {"helpers": {"noop": {}}}})
+    with Sandbox(ws, settings=settings, policy=policy) as sb:
+        res = sb.exec(["sh", "-c", 'sandman-upcall noop "$(git show HEAD~1:.env | head -1 | cut -d= -f2)"'])
+        ok = sb.exec(["sandman-upcall", "noop", "hello"])
+    assert res.exit_code != 0 and b"credential" in res.stderr, res.stderr
+    assert VALUE.encode() not in res.stdout + res.stderr
+    assert ok.stdout == b"hello\n", ok.stderr  # positive control: the helper answers

@@ -159,11 +159,34 @@ def test_the_next_start_refuses_what_an_earlier_sandbox_left_until_the_operator_
     with pytest.raises(PoisonedWorkspace, match=r"\.git/commondir"):  # ...and the next start refuses
         Sandbox(ws, settings=settings)
     env = {**os.environ, "SANDMAN_STATE_DIR": str(settings.state_dir), "SANDMAN_RUNTIME_DIR": str(settings.runtime_dir)}
-    proc = subprocess.run(
-        [*SANDMAN, "inspect", "-w", str(ws), "--quarantine"], capture_output=True, text=True, env=env
-    )
+    proc = subprocess.run([*SANDMAN, "inspect", "-w", str(ws), "--quarantine"], capture_output=True, text=True, env=env)
     assert "commondir" in proc.stdout and "quarantined" in proc.stderr, proc.stderr
     host_git(ws, "status")
     assert not marker.exists()
     with Sandbox(ws, settings=settings) as sb:  # positive control: removed, it starts again
         assert sb.exec(["true"]).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        # a nested repository deeper than the scan walks, with a gitlink so the host's git goes there
+        "d=$(python3 -c \"print('/'.join(['d'] * 300))\") && mkdir -p $d/sub && git -C $d/sub init -q && "
+        "git -C $d/sub config core.fsmonitor 'touch {marker}' && echo DONE",
+        # a config too large to read whole, its executing key after the cap
+        'mkdir -p sub && git -C sub init -q && python3 -c "import sys; '
+        "open('sub/.git/config', 'a').write('#' * (17 << 20) + '\\n[core]\\n\\tfsmonitor = touch {marker}\\n')\" && echo DONE",
+    ],
+    ids=["too-deep", "too-big"],
+)
+def test_what_the_scan_cannot_see_through_gates_the_next_start(
+    engine: object, agent_image: str, ws: Path, settings: Settings, marker: Path, plant: str
+) -> None:
+    from sandman.enforce import PoisonedWorkspace
+
+    with Sandbox(ws, settings=settings) as sb:
+        res = sb.exec(["sh", "-c", plant.format(marker=marker)])
+        assert res.stdout.endswith(b"DONE\n"), res.stderr
+    assert sb.poison  # reported...
+    with pytest.raises(PoisonedWorkspace):  # ...and an incomplete check fails closed
+        Sandbox(ws, settings=settings)
