@@ -36,6 +36,15 @@ def isolated_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sett
         yield Settings.load()
 
 
+@pytest.fixture
+def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """A private state store and runtime root for one test (the CLI and the library alike)."""
+    monkeypatch.setenv("SANDMAN_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("SANDMAN_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.delenv("SANDMAN_IN_PROCESS", raising=False)
+    return Settings.load()
+
+
 @pytest.fixture(scope="module")
 def security_workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     parent = tmp_path_factory.mktemp("security-ws")

@@ -22,13 +22,6 @@ pytestmark = pytest.mark.skipif(landlock_abi() < 1, reason="this kernel has no L
 
 
 @pytest.fixture
-def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
-    monkeypatch.setenv("SANDMAN_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("SANDMAN_RUNTIME_DIR", str(tmp_path / "run"))
-    return Settings.load()
-
-
-@pytest.fixture
 def ws(tmp_path: Path) -> Path:
     tmp_path.chmod(0o755)
     return make_workspace(tmp_path / "ws")

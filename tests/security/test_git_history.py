@@ -25,13 +25,6 @@ VALUE = "sk-live-" + secrets.token_hex(12)
 
 
 @pytest.fixture
-def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
-    monkeypatch.setenv("SANDMAN_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("SANDMAN_RUNTIME_DIR", str(tmp_path / "run"))
-    return Settings.load()
-
-
-@pytest.fixture
 def ws(tmp_path: Path) -> Path:
     tmp_path.chmod(0o755)
     root = tmp_path / "ws"

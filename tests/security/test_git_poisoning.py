@@ -27,13 +27,6 @@ UID = 1000
 
 
 @pytest.fixture
-def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
-    monkeypatch.setenv("SANDMAN_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("SANDMAN_RUNTIME_DIR", str(tmp_path / "run"))
-    return Settings.load()
-
-
-@pytest.fixture
 def base() -> Iterator[Path]:
     """A directory the workspace owner can reach (pytest's own tmp dirs are root's, mode 0700)."""
     path = Path(tempfile.mkdtemp(prefix="sandman-poison-", dir="/tmp"))

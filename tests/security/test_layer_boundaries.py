@@ -36,14 +36,6 @@ MARKER = "sm-host-only-" + os.urandom(6).hex()
 
 
 @pytest.fixture
-def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
-    monkeypatch.setenv("SANDMAN_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("SANDMAN_RUNTIME_DIR", str(tmp_path / "run"))
-    monkeypatch.delenv("SANDMAN_IN_PROCESS", raising=False)
-    return Settings.load()
-
-
-@pytest.fixture
 def ws(tmp_path: Path) -> Path:
     tmp_path.chmod(0o755)
     root = make_workspace(tmp_path / "ws")
@@ -228,7 +220,7 @@ def test_the_control_socket_answers_the_host_and_nobody_inside(sb: Sandbox, engi
         "s.settimeout(5)\n"
         "s.connect('/run/sandman/control/ctl.sock')\n"
         "try:\n"
-        "    s.sendall(b'{\"op\": \"ping\"}\\n')\n"
+        '    s.sendall(b\'{"op": "ping"}\\n\')\n'
         "    print('REPLY', s.recv(4096))\n"
         "except (ConnectionResetError, BrokenPipeError):\n"
         "    print('REPLY', b'')\n"
