@@ -266,7 +266,9 @@ for _ in range(20):
     rt(path, msg)
 out = []
 for _ in range(n):
-    t0 = time.perf_counter(); rt(path, msg); out.append(time.perf_counter() - t0)
+    t0 = time.perf_counter(); reply = rt(path, msg); out.append(time.perf_counter() - t0)
+    assert b'"result"' in reply, reply  # a refusal (rate limit) is not a round trip
+
 print(json.dumps(out))
 """
 
@@ -275,8 +277,18 @@ def bench_upcall(ws: Path, runs: int) -> dict[str, object]:
     from sandman.policy import Policy
     from sandman.session import Sandbox
 
+    from sandman.settings import Settings
+
     policy = Policy.model_validate({"upcalls": {"helpers": {"noop": {}}}})
-    with Sandbox(ws, policy=policy) as sb:
+    # The round trip itself, not the rate limiter: raise the session's rate for the measurement
+    # (every reply is checked to be a result, not a refusal).
+    os.environ["SANDMAN_UPCALL_RATE_PER_S"] = "100000"
+    os.environ["SANDMAN_UPCALL_RATE_BURST"] = "100000"
+    try:
+        settings = Settings.load()
+    finally:
+        del os.environ["SANDMAN_UPCALL_RATE_PER_S"], os.environ["SANDMAN_UPCALL_RATE_BURST"]
+    with Sandbox(ws, policy=policy, settings=settings) as sb:
         ours = json.loads(sb.exec(["python3", "-c", UPCALL_LOOP, "/run/sandman/upcall/upcall.sock", str(runs)]).stdout)
         base = json.loads(sb.exec(["python3", "-c", UPCALL_LOOP, "echo", str(runs)]).stdout)
     ordered = sorted(ours)
