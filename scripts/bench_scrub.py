@@ -11,9 +11,16 @@ ones plain and encoded, and pattern-shaped tokens). It is fed in 4 KiB and 64 Ki
 and each figure is given in MB/s (10^6 bytes) and as a ratio to the baseline. ``engines`` times
 the literal search alone (the part an engine choice decides) on the exact-mode needles;
 ``worst`` times full mode, 4 KiB chunks, on inputs that hit its slow paths: a base64 dump
-(``base64`` of random bytes, 76 columns), a hex dump, and text dense with false ``sk-`` anchors.
+(``base64`` of random bytes, 76 columns: every line break is one the wrapped-base64 view joins),
+a hex dump, text dense with false ``sk-`` anchors, a colour-coded log (ANSI SGR codes around
+every few words: the terminal-code view) and a JSON log with ``\\uXXXX`` and ``\\/`` escapes (the
+JSON-escape view). ``idle`` times the same stream with ``release()`` after every 4 KiB chunk, as
+an idle pause would.
 
-Usage: .venv/bin/python scripts/bench_scrub.py [--size MIB] [--json FILE]
+``--module FILE`` benchmarks the ``Scrubber`` of another copy of sandman/scrub.py (e.g. an older
+version: ``git show HEAD:sandman/scrub.py > /tmp/old_scrub.py``), in the same process conditions.
+
+Usage: .venv/bin/python scripts/bench_scrub.py [--size MIB] [--json FILE] [--module FILE]
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ import functools
 import json
 import random
 import re
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sandman.scrub import Scrubber
+from sandman.scrub import Scrubber as _Scrubber
+
+Scrubber = _Scrubber  # --module replaces it
 
 SEED = 20240501
 CHUNKS = {"4k": 4 << 10, "64k": 64 << 10}
@@ -87,8 +97,7 @@ _IDENTS = [
 
 def make_secrets(rng: random.Random, count: int = 20) -> dict[str, str]:
     return {
-        f"secret_{i}": "".join(rng.choice(_ALNUM + "-_.") for _ in range(rng.randint(16, 64)))
-        for i in range(count)
+        f"secret_{i}": "".join(rng.choice(_ALNUM + "-_.") for _ in range(rng.randint(16, 64))) for i in range(count)
     }
 
 
@@ -138,9 +147,7 @@ def generate(size: int, seed: int = SEED, secrets: dict[str, str] | None = None)
                 f"/${{id}}`, {{ method: 'POST', headers: {{ 'Content-Type': 'application/json' }} }});\n"
             )
         elif k < 0.96:
-            blob: dict[str, object] = {
-                w: rng.choice(_WORDS) for w in rng.choices(_WORDS, k=rng.randint(2, 8))
-            }
+            blob: dict[str, object] = {w: rng.choice(_WORDS) for w in rng.choices(_WORDS, k=rng.randint(2, 8))}
             blob |= {"id": rng.getrandbits(32), "sha": f"{rng.getrandbits(160):040x}"}
             blob["path"] = f"/usr/lib/python3/dist-packages/{rng.choice(_WORDS)}/{rng.choice(_IDENTS)}.py"
             line = json.dumps(blob) + "\n"
@@ -191,6 +198,17 @@ def _scrub(scrubber: Scrubber, chunks: list[bytes]) -> bytes:
     return bytes(out)
 
 
+def _scrub_idle(scrubber: Scrubber, chunks: list[bytes]) -> bytes:
+    """Each chunk followed by an idle release (the consumers call it after 50 ms of quiet)."""
+    stream = scrubber.stream()
+    out = bytearray()
+    for c in chunks:
+        out += stream.feed(c)
+        out += stream.release()
+    out += stream.flush()
+    return bytes(out)
+
+
 def _engines(data: bytes, secrets: dict[str, str]) -> dict[str, float]:
     """MB/s of the literal search alone over the exact-mode needles, per candidate engine."""
     needles = Scrubber(secrets, patterns=False)._needles
@@ -224,10 +242,22 @@ def worst_cases(size: int, seed: int = SEED) -> dict[str, bytes]:
     noise = bytes(rng.getrandbits(8) for _ in range(size * 3 // 4))
     lines = [b"%064x" % rng.getrandbits(256) for _ in range(size // 65)]
     tasks = [b"task-%d-runner disk-usage ok on desk-%d\n" % (i, i * 7) for i in range(size // 40)]
+    colours = [b"\x1b[32m", b"\x1b[1;31m", b"\x1b[0m", b"\x1b[38;5;208m", b"\x1b[2m"]
+    coloured: list[bytes] = []
+    while sum(map(len, coloured)) < size:
+        words = rng.choices(_WORDS, k=rng.randint(4, 12))
+        coloured.append(b" ".join(rng.choice(colours) + w.encode() for w in words) + b"\x1b[0m\n")
+    logs: list[bytes] = []
+    while sum(map(len, logs)) < size:
+        msg = " ".join(rng.choices(_WORDS, k=rng.randint(3, 9)))
+        entry = {"msg": f"{msg} \u00e9\u2192 ok", "path": f"/srv/{rng.choice(_WORDS)}/{rng.choice(_IDENTS)}"}
+        logs.append(json.dumps(entry).replace("/", "\\/").encode() + b"\n")  # PHP-style: \/ and \uXXXX
     return {
         "base64 dump": base64.encodebytes(noise)[:size],
         "hex dump": b"\n".join(lines)[:size],
         "sk- dense text": b"".join(tasks)[:size],
+        "ANSI colour log": b"".join(coloured)[:size],
+        "JSON escaped log": b"".join(logs)[:size],
     }
 
 
@@ -249,6 +279,8 @@ def bench_scrub(size_mib: int = 64) -> dict[str, object]:
         for mode, sc in (("exact", exact), ("full", full)):
             speed = _throughput(size, functools.partial(_scrub, sc, chunks), repeat=2)
             modes[mode][label] = {"mb_s": round(speed, 1), "ratio": round(speed / baseline[label], 4)}
+    small = [data[i : i + 4096] for i in range(0, min(size, 16 << 20), 4096)]
+    idle = round(_throughput(sum(map(len, small)), functools.partial(_scrub_idle, full, small), repeat=2), 1)
     # Sanity: the stream is really scrubbed, and chunking changes nothing.
     one, findings = full.scrub_bytes(data)
     streamed = _scrub(full, [data[i : i + 4096] for i in range(0, size, 4096)])
@@ -267,6 +299,7 @@ def bench_scrub(size_mib: int = 64) -> dict[str, object]:
         **modes,
         "engines": {k: round(v, 1) for k, v in _engines(data, secrets).items()},
         "worst": worst,
+        "idle": idle,
         "findings": dict(sorted(kinds.items())),
     }
     return result
@@ -276,7 +309,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=int, default=64, help="MiB of generated output (default 64)")
     parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument("--module", type=Path, help="benchmark the Scrubber of this copy of scrub.py")
     args = parser.parse_args()
+    if args.module:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("scrub_under_test", args.module)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+        global Scrubber
+        Scrubber = module.Scrubber
+        print(f"Scrubber from {args.module}")
     res = bench_scrub(args.size)
     print(f"scrub benchmark: {res['size_mib']} MiB of generated output, literal search: {res['engine']}")
     baseline = res["baseline"]
@@ -292,6 +337,7 @@ def main() -> None:
     print("  worst cases (full, 4 KiB chunks, 8 MiB each):")
     for name, speed in res["worst"].items():  # type: ignore[attr-defined]
         print(f"    {name:<22} {speed:>9.1f} MB/s")
+    print(f"  full, 4 KiB chunks, release() after each (16 MiB): {res['idle']:.1f} MB/s")
     print(f"  findings (one-shot, full): {res['findings']}")
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
