@@ -276,7 +276,6 @@ print(json.dumps(out))
 def bench_upcall(ws: Path, runs: int) -> dict[str, object]:
     from sandman.policy import Policy
     from sandman.session import Sandbox
-
     from sandman.settings import Settings
 
     policy = Policy.model_validate({"upcalls": {"helpers": {"noop": {}}}})
