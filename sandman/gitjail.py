@@ -78,6 +78,15 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_OUTPUT = 1 << 20  # stdout bytes kept
 MAX_ERROR = 4000  # stderr characters kept (it may go back to the agent)
 TMPFS_BYTES = 16 << 20
+# Each git process in the jail: its heap may not pass this (RLIMIT_DATA; packs are mapped files and
+# do not count). A ref that is /dev/zero or a FIFO fed without end then ends git, not the host.
+GIT_DATA_BYTES = 512 << 20
+MAX_REF_FILE = 64 << 10  # a loose ref, HEAD, shallow: a few lines
+MAX_PACKED_REFS = 256 << 20
+MAX_REFS = 200_000
+# What git reads by name in a repository besides objects: each must be a regular file (refs/: files
+# in plain directories), never a symlink, FIFO or device.
+_REF_FILES = ("HEAD", "packed-refs", "shallow", "info/grafts", "FETCH_HEAD", "ORIG_HEAD", "MERGE_HEAD")
 _REFUSED_FILES = ("commondir", "objects/info/alternates", "objects/info/http-alternates")
 _MAX_CONFIG = 64 << 10
 _CUT = "\n[... error output truncated]"
@@ -160,6 +169,56 @@ def check_git_dir(fd: int) -> None:
         raise GitJailError(".git/config is missing: not a git repository") from None
     if not stat.S_ISREG(st.st_mode):
         raise GitJailError(".git/config is not a regular file (a symlink?): refused")
+    _check_refs(fd)
+
+
+def _check_refs(fd: int) -> None:
+    """Every ref git could read is a regular file of a sane size: a symlink to /dev/zero or a FIFO
+    the agent feeds would make git read without end. (A swap after this check meets the jail's
+    memory cap instead.)"""
+    for name in _REF_FILES:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        limit = MAX_PACKED_REFS if name == "packed-refs" else MAX_REF_FILE
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            raise GitJailError(f".git/{name} is not a regular file of at most {limit} bytes: refused")
+    try:
+        top = os.open("refs", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except OSError as exc:
+        raise GitJailError(f".git/refs is not a plain directory ({exc.strerror}): refused") from None
+    stack, seen = [(top, "refs")], 0
+    try:
+        while stack:
+            dfd, rel = stack.pop()
+            try:
+                with os.scandir(dfd) as it:
+                    entries = list(it)
+                seen += len(entries)
+                if seen > MAX_REFS:
+                    raise GitJailError(f".git/refs holds more than {MAX_REFS} entries: refused")
+                for entry in entries:
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+                        try:
+                            child = os.open(entry.name, flags, dir_fd=dfd)
+                        except OSError as exc:
+                            raise GitJailError(
+                                f".git/{rel}/{entry.name} changed while checked ({exc.strerror})"
+                            ) from None
+                        stack.append((child, f"{rel}/{entry.name}"))
+                    elif not stat.S_ISREG(st.st_mode) or st.st_size > MAX_REF_FILE:
+                        raise GitJailError(
+                            f".git/{rel}/{entry.name} is not a regular file of at most {MAX_REF_FILE} bytes "
+                            "(a symlink, FIFO or device): refused"
+                        )
+            finally:
+                os.close(dfd)
+    finally:
+        for dfd, _ in stack:
+            os.close(dfd)
 
 
 def read_small(dir_fd: int, name: str, limit: int = 4096) -> bytes:
@@ -342,6 +401,7 @@ def run_git(
                 jail += ["--setenv", key, value]
             dst_id = _devino(dst) if dst is not None else ""
             jail += ["--chdir", "/", "--", "/bin/sh", "-c", _VERIFY, "sh", _devino(src), nonce, dst_id]
+            jail += ["/usr/bin/prlimit", f"--data={GIT_DATA_BYTES}:{GIT_DATA_BYTES}", "--"]
             jail += ["git", *JAIL_GIT_OPTIONS, *args]
             if root:
                 argv = ["/usr/bin/unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", _LAUNCH,

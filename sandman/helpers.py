@@ -295,7 +295,21 @@ class GitPushHelper(Helper):
     description = "push the current (or a named) branch to the campaign's remote under the branch prefix"
     Config = GitPushConfig
 
+    def __init__(self, config: _Config, settings: Settings) -> None:
+        super().__init__(config, settings)
+        # One push at a time per session: each jailed git may hold up to gitjail.GIT_DATA_BYTES,
+        # and concurrent calls would share the session's bare repository.
+        self._busy = threading.Lock()
+
     async def run(self, args: list[str], stdin: str | None, ctx: HelperContext) -> HelperResult:
+        if not self._busy.acquire(blocking=False):
+            raise HelperError("git-push: another git-push of this session is running; try again when it ends")
+        try:
+            return await self._run(args, stdin, ctx)
+        finally:
+            self._busy.release()
+
+    async def _run(self, args: list[str], stdin: str | None, ctx: HelperContext) -> HelperResult:
         from sandman import gitjail
         from sandman.paths import denied_by
 

@@ -10,8 +10,10 @@ normal push still works, and a commit adding a deny-listed path is refused with 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -189,7 +191,9 @@ def test_head_fifo_symlink_and_huge_are_refused_at_once(world: World) -> None:
     head.unlink()
     head.write_text("ref: refs/heads/" + "a" * (8 << 20))
     result = run_push(world)
-    assert isinstance(result, str) and "not a valid branch name" in result and len(result) < 4096 + 200
+    # refused either by the HEAD read (4 KiB) or the ref check (64 KiB): never read whole
+    assert isinstance(result, str) and ("not a valid branch name" in result or "HEAD" in result)
+    assert len(result) < 4096 + 200
 
 
 def test_branch_name_with_a_newline_refused(world: World) -> None:
@@ -350,3 +354,72 @@ def test_a_shallow_clone_pushes(world: World) -> None:
     result = world.push()
     assert result.exit_code == 0, result
     assert "sandman/widget" in world.remote_branches()
+
+
+def test_refs_that_read_without_end_are_refused_and_git_memory_is_capped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Red-team round 3: a ref symlinked to /dev/zero (or a FIFO the agent feeds) made the jailed
+    git read gigabytes into host memory. Such refs are refused before git runs, and each jailed
+    git's heap is capped for a ref swapped in after the check."""
+    import threading
+
+    from sandman import gitjail
+
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(
+        [
+            "git",
+            "-C",
+            str(repo),
+            "-c",
+            "user.email=a@b",
+            "-c",
+            "user.name=a",
+            "commit",
+            "-q",
+            "--allow-empty",
+            "-m",
+            "x",
+        ],
+        check=True,
+    )
+    git_dir = repo / ".git"
+
+    def check() -> None:
+        fd = gitjail.open_git_dir(git_dir)
+        try:
+            gitjail.check_git_dir(fd)
+        finally:
+            os.close(fd)
+
+    check()  # positive control: a plain repository passes
+    heads = git_dir / "refs" / "heads"
+    (heads / "zz").symlink_to("/dev/zero")
+    with pytest.raises(gitjail.GitJailError, match=r"refs/heads/zz is not a regular file"):
+        check()
+    (heads / "zz").unlink()
+    os.mkfifo(heads / "ff")
+    with pytest.raises(gitjail.GitJailError, match=r"refs/heads/ff is not a regular file"):
+        check()
+    # A FIFO swapped in after the check: git reads it, and the jail's heap cap ends git.
+    monkeypatch.setattr(gitjail, "check_git_dir", lambda fd: None)
+    for p in [repo, *repo.rglob("*")]:
+        os.lchown(p, 1000, 1000)  # git never runs as root on an agent's repository
+    stop = threading.Event()
+
+    def feed() -> None:
+        chunk = b"0" * (1 << 20)
+        with contextlib.suppress(OSError), open(heads / "ff", "wb") as f:
+            for _ in range(4096):  # 4 GiB at most
+                if stop.is_set():
+                    break
+                f.write(chunk)
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    res = gitjail.run_git(git_dir, ["for-each-ref"], timeout=60)
+    stop.set()
+    t.join(30)
+    assert res.exit_code != 0 and "memory" in res.stderr.lower(), res
