@@ -15,6 +15,7 @@ import contextlib
 import fnmatch
 import os
 import re
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -304,9 +305,17 @@ class GitPushHelper(Helper):
     async def run(self, args: list[str], stdin: str | None, ctx: HelperContext) -> HelperResult:
         if not self._busy.acquire(blocking=False):
             raise HelperError("git-push: another git-push of this session is running; try again when it ends")
+        bare = self.settings.state_dir / "git" / f"{ctx.session_id}.git"
+        kept = False
         try:
-            return await self._run(args, stdin, ctx)
+            result = await self._run(args, stdin, ctx)
+            kept = result.exit_code == 0 and _tree_size(bare) <= MAX_BARE_BYTES
+            return result
         finally:
+            if not kept:
+                # The host's disk is not the agent's: what a refused or failed push fetched is gone
+                # with it (and a bare repository past its cap starts afresh at the next push).
+                await asyncio.to_thread(shutil.rmtree, bare, True)
             self._busy.release()
 
     async def _run(self, args: list[str], stdin: str | None, ctx: HelperContext) -> HelperResult:
@@ -522,6 +531,24 @@ def _prepare_bare_unchecked(bare: Path, env: Mapping[str, str], uid: int | None,
     tmp.replace(config)  # root-owned when the controller is root; the jail sees its own copy anyway
     if uid is not None and gid is not None:
         os.lchown(bare, uid, gid)
+
+
+MAX_BARE_BYTES = 2 << 30  # a session's bare repository kept between pushes, at most
+
+
+def _tree_size(path: Path) -> int:
+    """Bytes under ``path`` (not following symlinks); 0 when it does not exist."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+def bare_repository(state_dir: Path, session_id: str) -> Path:
+    """Where git-push keeps a session's bare repository (removed when the session ends)."""
+    return state_dir / "git" / f"{session_id}.git"
 
 
 def _current_branch(git_dir: Path) -> str:

@@ -91,4 +91,10 @@ def reconcile(api: docker.APIClient, store: StateStore, runtime_root: Path) -> R
             if path.is_dir() and path.name not in live:
                 shutil.rmtree(path, ignore_errors=True)
                 report.removed_runtime_dirs.append(path.name)
+    # git-push's bare repositories of sessions that ended (a crash skipped their teardown).
+    git_root = store.path.parent / "git"
+    if git_root.is_dir():
+        for path in git_root.glob("sm-*.git"):
+            if path.name.removesuffix(".git") not in live:
+                shutil.rmtree(path, ignore_errors=True)
     return report

@@ -483,8 +483,20 @@ _INVISIBLE = re.compile(
 _FLAG = re.compile(r"^(?:--[a-z][a-z0-9-]{0,30}|-[A-Za-z]?)$")  # a flag, or "-" for stdin
 
 
+# Unicode's Default_Ignorable_Code_Point set is, but for a few Hangul fillers listed above, within
+# these categories: format characters (Cf) and the marks that render on nothing here (Mn, Me:
+# variation selectors, the combining grapheme joiner, and combining accents a check may drop).
+_DROPPED_CATEGORIES = frozenset({"Cf", "Mn", "Me", "Cc", "Zs", "Zl", "Zp", "Co", "Cs", "Cn"})
+
+
 def _visible(text: str) -> str:
-    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
+    """The text as a reader (or a program that ignores invisible characters) would take it: every
+    whitespace, control, format and combining character removed, compatibility forms folded."""
+    # Decomposed first, so a combining mark is dropped rather than composed into its letter.
+    text = _INVISIBLE.sub("", unicodedata.normalize("NFKD", text))
+    if not text.isascii():
+        text = "".join(c for c in text if unicodedata.category(c) not in _DROPPED_CATEGORIES)
+    return unicodedata.normalize("NFKC", text)
 
 
 _JUNCTION = 600  # a token is at most scrub.MAX_TOKEN (512) bytes: this much each side of a join holds it
@@ -902,6 +914,12 @@ class Relay:
             kind, message = params.get("kind"), params.get("message")
             if not isinstance(kind, str) or not isinstance(message, str) or len(kind) > 64 or len(message) > 8192:
                 raise RpcError(INVALID_PARAMS, "session.report needs kind (<= 64 chars) and message (<= 8 KiB)")
+            if await self._findings([kind, message], None):
+                # The audit is a way out too: a report holding a credential is refused like an upcall.
+                await self._written(
+                    self.audit.record("session.report", "refused", kind_len=len(kind), len=len(message))
+                )
+                raise RpcError(REFUSED, "session.report refused: it holds what looks like a credential")
             await self._written(self.audit.record("session.report", "ok", kind=kind, message=message))
             return {"ok": True}
         if method == "upcall.exec":
@@ -1002,7 +1020,7 @@ class Relay:
             result: HelperResult = await asyncio.wait_for(asyncio.shield(running), timeout + 2)
         except HelperError as exc:
             reason = str(exc)
-            await self._record(name, args, "refused", None, started, reason, key=(name[:64], reason[:200]))
+            await self._record(name, args, "refused", None, started, reason, key=(name[:64], digest(reason)[:32]))
             raise RpcError(REFUSED, reason[:4096]) from None
         except TimeoutError:
             reason = f"no answer within {timeout:.0f}s"
@@ -1048,7 +1066,8 @@ class Relay:
                 args_sha256=digest("\x00".join(args)) if text else None,
                 exit_code=code,
                 duration_s=round(time.monotonic() - started, 4),
-                reason=reason[:500],
+                # A refusal may quote the argument it refused: the same cap as the arguments.
+                reason=cut(reason, 200) if len(reason) > 200 else reason,
             )
         )
 

@@ -555,6 +555,7 @@ class Runner:
             if relay is not None:
                 relay.stop(session_id)
             shutil.rmtree(runtime_dir, ignore_errors=True)
+            shutil.rmtree(self.settings.state_dir / "git" / f"{session_id}.git", ignore_errors=True)
             self.state.end_session(session_id, SessionState.STOPPED, cause.value)
         duration = time.monotonic() - started
         if kind != "probe":

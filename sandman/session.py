@@ -28,6 +28,7 @@ from sandman.causes import CgroupWatch, OutputCap
 from sandman.engine import ContainerSpec, container_kwargs, engine_retry, state_id_for
 from sandman.errors import SandboxError, SandmanError, UsageError
 from sandman.files import Files
+from sandman.helpers import bare_repository
 from sandman.paths import WorkspaceScanner
 from sandman.policy import Policy
 from sandman.protocol import HEADER, recv_exact
@@ -388,8 +389,6 @@ class Sandbox:
         path.write_text(baseline.model_dump_json())
 
     def _teardown(self, rec: SessionRecord, state: SessionState, reason: str) -> None:
-        import shutil
-
         import docker.errors
 
         RelayHost.stop_if_running(rec.id)
@@ -398,6 +397,7 @@ class Sandbox:
             with contextlib.suppress(docker.errors.NotFound):
                 engine_retry(self.api.remove_container)(rec.container_id, force=True, v=True)
         shutil.rmtree(rec.runtime_dir, ignore_errors=True)
+        shutil.rmtree(bare_repository(self.settings.state_dir, rec.id), ignore_errors=True)
         ended = self.state.end_session(rec.id, state, reason)
         if ended:
             self.state.audit(rec.id, "session.stop", state=state.value, reason=reason)

@@ -215,6 +215,8 @@ def test_a_commit_adding_env_is_refused_naming_it(world: World) -> None:
     result = run_push(world)
     assert isinstance(result, str) and "'.env'" in result and "deny list" in result
     assert "sandman/leaky" not in world.remote_branches()
+    # Red-team round 4: what a refused push fetched stayed on the host's disk for good.
+    assert not (world.state / "git" / "sm-gitpush-test.git").exists()
 
 
 def test_a_path_added_then_removed_is_still_refused(world: World) -> None:
@@ -307,7 +309,8 @@ def test_bare_repository_tampering_is_refused(world: World) -> None:
     (bare / "objects" / "info" / "alternates").write_text(f"{world.host_repo / '.git' / 'objects'}\n")
     result = run_push(world)
     assert isinstance(result, str) and "alternates" in result
-    (bare / "objects" / "info" / "alternates").unlink()
+    assert not bare.exists()  # a refused push leaves nothing behind, the tampering included
+    assert world.push().exit_code == 0  # a fresh bare repository
     (bare / "refs" / "heads" / "evil").symlink_to(world.host_file)
     result = run_push(world)
     assert isinstance(result, str) and "not a file" in result

@@ -71,7 +71,7 @@ def attack(targets: dict[str, str], duration: float, fds: int = 4000, unread: in
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     stop = time.monotonic() + duration
     held: list[socket.socket] = []
-    counts = {"held": 0, "unread": 0, "refused": 0, "blocked": 0, "slow": 0, "deep": 0, "errors": 0}
+    counts = {"held": 0, "unread": 0, "refused": 0, "blocked": 0, "slow": 0, "deep": 0, "zero": 0, "errors": 0}
     lock = threading.Lock()
 
     def bump(key: str) -> None:
@@ -124,6 +124,8 @@ def attack(targets: dict[str, str], duration: float, fds: int = 4000, unread: in
         + [(loop, (_req("upcall.exec", {"helper": "git-push", "args": []}), "blocked"))] * 4,
         "slow": [(loop, (_req("upcall.exec", {"helper": "noop", "args": [SLOW_TO_SCAN]}), "slow"))],
         "deep": [(loop, (b"[" * 200_000 + b"\n", "deep", 0.05))],
+        # git-push on a repository whose branch ref is /dev/zero (the red team's memory route)
+        "zero": [(loop, (_req("upcall.exec", {"helper": "git-push", "args": []}), "zero", 0.02))] * 2,
     }
     workers = [
         threading.Thread(target=fn, args=(path, *args), daemon=True)
@@ -233,10 +235,16 @@ def test_attacked_sessions_cost_their_neighbours_nothing(world: World) -> None:
     try:
         canary, canary_h = world.relay("canary", {"noop": {}}, upcall_rate_per_s=200.0)
         helpers = {"noop": {}, "block": {}, "git-push": {"remote": str(world.remote)}}
-        attackers = {name: world.relay(name, helpers) for name in ("flooded", "unread", "abuser")}
+        attackers = {name: world.relay(name, helpers) for name in ("flooded", "unread", "abuser", "zero")}
         git = attackers["abuser"][0].workspace.path / ".git"
         git.mkdir()
         os.mkfifo(git / "HEAD")  # git-push's read of HEAD blocks (unless it opens it O_NONBLOCK)
+        zero = attackers["zero"][0].workspace.path / ".git"
+        (zero / "refs" / "heads").mkdir(parents=True)
+        (zero / "objects").mkdir()
+        (zero / "config").write_text("[core]\n\trepositoryformatversion = 0\n")
+        (zero / "HEAD").write_text("ref: refs/heads/zz\n")
+        (zero / "refs" / "heads" / "zz").symlink_to("/dev/zero")
         targets = {
             "fds": attackers["flooded"][0].socket_path,
             "unread": attackers["unread"][0].socket_path,
@@ -244,6 +252,7 @@ def test_attacked_sessions_cost_their_neighbours_nothing(world: World) -> None:
             "refused": attackers["abuser"][0].socket_path,
             "blocking": attackers["abuser"][0].socket_path,
             "slow": attackers["abuser"][0].socket_path,
+            "zero": attackers["zero"][0].socket_path,
         }
         _canary_latencies(canary.socket_path, 30)  # warm up
         state_before = _tree_bytes(world.state)

@@ -432,3 +432,16 @@ def test_the_controller_log_rotates(tmp_path: Path) -> None:
     assert 2 <= len(files) <= 3, files  # the current file and at most 2 rotated ones
     assert all(f.stat().st_size <= (256 << 10) + 4096 for f in files)
     assert "through stdout too" in log.read_text()
+
+
+def test_invisible_characters_never_hide_a_secret_in_upcall_arguments() -> None:
+    """Red-team round 4: characters Unicode renders as nothing (musical beams, shorthand format
+    controls) interleaved in a token slipped past a hand-written list of invisible characters."""
+    from sandman.relay import _visible, check_texts
+
+    token = "ghp_" + "A" * 36
+    for joiner in ("\u200b", "\U0001d173", "\U0001bca0", "\u2060", "\ufe0f", "\u0301"):
+        hidden = joiner.join(token)
+        assert _visible(hidden) == token, repr(joiner)
+        assert any(token in text for text in check_texts([hidden], None)), repr(joiner)
+    assert _visible("plain words stay") == "plainwordsstay"  # whitespace goes too, nothing else
