@@ -17,12 +17,12 @@ from sandman.policy import Policy
 from sandman.settings import Settings
 from sandman.state import StateStore
 from sandman.workspace import Workspace
-from tests.conftest import SANDBOX_UID
+from tests.conftest import SANDBOX_UID, skip_unless
 from tests.support.fake_github import FakeGitHub
 from tests.support.git_world import World
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None or shutil.which("gh") is None, reason="needs bubblewrap and gh (scripts/setup)"
+pytestmark = skip_unless(
+    shutil.which("bwrap") is not None and shutil.which("gh") is not None, "needs bubblewrap and gh (scripts/setup)"
 )
 SESSION = "sm-gh-heads"
 

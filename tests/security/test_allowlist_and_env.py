@@ -16,9 +16,9 @@ from sandman.enforce import CommandRefused, landlock_abi
 from sandman.policy import Policy
 from sandman.session import Sandbox
 from sandman.settings import Settings
-from tests.conftest import SANDMAN, make_workspace
+from tests.conftest import SANDMAN, make_workspace, skip_unless
 
-pytestmark = pytest.mark.skipif(landlock_abi() < 1, reason="this kernel has no Landlock (doctor says so)")
+pytestmark = skip_unless(landlock_abi() >= 1, "this kernel has no Landlock (doctor says so)")
 
 
 @pytest.fixture

@@ -25,10 +25,10 @@ from sandman.files import Files
 from sandman.paths import PathDenied, validate_path
 from sandman.policy import Policy
 from sandman.workspace import Workspace
-from tests.conftest import SANDBOX_UID, make_workspace
+from tests.conftest import SANDBOX_UID, make_workspace, skip_unless
 
 AS_ROOT = os.geteuid() == 0
-needs_root = pytest.mark.skipif(not AS_ROOT, reason="proves the files API drops root: run as root, as CI does")
+needs_root = skip_unless(AS_ROOT, "proves the files API drops root: run as root, as CI does")
 
 SYS_RENAMEAT2 = 316  # x86_64
 RENAME_EXCHANGE = 2

@@ -17,13 +17,13 @@ from pydantic import SecretStr
 
 from sandman.session import Sandbox
 from sandman.settings import Settings
-from tests.conftest import make_workspace
+from tests.conftest import make_workspace, skip_unless
 from tests.support.fake_github import FakeGitHub
 from tests.support.git_world import git
 
 pytestmark = [
     pytest.mark.docker,
-    pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap: scripts/setup installs it"),
+    skip_unless(shutil.which("bwrap") is not None, "needs bubblewrap: scripts/setup installs it"),
 ]
 REPO = "acme/app"
 
