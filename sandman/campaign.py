@@ -15,6 +15,7 @@ import difflib
 import hashlib
 import json
 import os
+import secrets
 import stat
 import time
 from dataclasses import dataclass
@@ -134,7 +135,7 @@ def record(state_dir: Path, workspace: Path, snap: Snapshot) -> None:
     """Remember ``snap`` as the accepted campaign of ``workspace`` (atomically)."""
     path = _record_path(state_dir, workspace)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")
     tmp.write_text(
         json.dumps({"workspace": str(workspace), "accepted": time.time(), "digest": snap.digest, "files": snap.files}),
         encoding="utf-8",

@@ -498,7 +498,7 @@ def accept_poison(settings: Settings, ws: Workspace, fingerprints: Sequence[str]
     """Record ``fingerprints`` as the operator's own (their hooks, their configs)."""
     path = _accepted_path(settings, ws)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.{_secrets.token_hex(4)}.tmp")
     tmp.write_text(json.dumps({"workspace": str(ws.path), "accepted": sorted(set(fingerprints))}))
     os.replace(tmp, path)
 

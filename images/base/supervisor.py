@@ -25,6 +25,7 @@ where it was meant to (a symlink swapped in mid-setup fails the exec, never open
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import json
 import os
@@ -82,7 +83,16 @@ def prepare(request: dict) -> tuple[list[str], list[int]]:
     ``mkdirs``: per-exec private dirs to create first."""
     guard = request.get("guard") or {}
     for path in request.get("mkdirs") or []:
-        os.mkdir(str(path), 0o700)  # fails on anything already there: nothing planted is reused
+        for attempt in range(100):
+            try:
+                os.mkdir(str(path), 0o700)  # fails on anything already there: nothing planted is reused
+                break
+            except OSError as exc:
+                # The tmpfs may still be full of the previous exec's tree, which a child of the
+                # supervisor is removing right now: give it a few seconds.
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or attempt == 99:
+                    raise
+                time.sleep(0.05)
     argv = [str(a) for a in request["argv"]]
     opened: list[int] = []
     expect: list[list] = []
