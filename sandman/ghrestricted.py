@@ -19,12 +19,13 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
-from typing import IO, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from sandman.errors import SandmanError
+from sandman.gitjail import drain
 
 FlagValue = bool | int | str | tuple[str, ...]
 FlagKind = Literal["bool", "int", "string", "csv", "forbidden"]
@@ -950,17 +951,6 @@ def _gh_env(config: GhConfig, token: str, home: str, env_extra: Mapping[str, str
     return env
 
 
-def _drain(stream: IO[bytes], keep: list[bytes], limit: int, cut: list[bool]) -> None:
-    size = 0
-    while chunk := stream.read(65536):
-        if size < limit:
-            keep.append(chunk[: limit - size])
-        if size + len(chunk) > limit and not cut:
-            cut.append(True)
-        size += len(chunk)
-    stream.close()
-
-
 def _scrub(data: bytes, token: str, cut: bool) -> str:
     """Decode and remove the token; if the cap cut the output, a token split by the cut goes too."""
     text = data.decode("utf-8", "replace").replace(token, "[REDACTED]")
@@ -1025,8 +1015,8 @@ def execute(
         err_cut: list[bool] = []
         assert proc.stdout is not None and proc.stderr is not None
         readers = [
-            threading.Thread(target=_drain, args=(proc.stdout, out, max_output, out_cut), daemon=True),
-            threading.Thread(target=_drain, args=(proc.stderr, err, max_output, err_cut), daemon=True),
+            threading.Thread(target=drain, args=(proc.stdout, out, max_output, out_cut), daemon=True),
+            threading.Thread(target=drain, args=(proc.stderr, err, max_output, err_cut), daemon=True),
         ]
         for reader in readers:
             reader.start()

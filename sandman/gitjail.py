@@ -266,7 +266,8 @@ def clean_error(text: str, limit: int = MAX_ERROR) -> str:
     return text
 
 
-def _drain(stream: IO[bytes], keep: list[bytes], limit: int, cut: list[bool]) -> None:
+def drain(stream: IO[bytes], keep: list[bytes], limit: int, cut: list[bool]) -> None:
+    """Read ``stream`` to its end, keeping at most ``limit`` bytes; ``cut`` is made true when more came."""
     size = 0
     while chunk := stream.read(65536):
         if size < limit:
@@ -457,8 +458,8 @@ def _collect(proc: subprocess.Popen[bytes], timeout: float, max_output: int, max
     err_cut: list[bool] = []
     assert proc.stdout is not None and proc.stderr is not None
     readers = [
-        threading.Thread(target=_drain, args=(proc.stdout, out, max_output, out_cut), daemon=True),
-        threading.Thread(target=_drain, args=(proc.stderr, err, 4 * max_error + 1024, err_cut), daemon=True),
+        threading.Thread(target=drain, args=(proc.stdout, out, max_output, out_cut), daemon=True),
+        threading.Thread(target=drain, args=(proc.stderr, err, 4 * max_error + 1024, err_cut), daemon=True),
     ]
     for reader in readers:
         reader.start()
