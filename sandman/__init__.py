@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Sandbox": "sandman.session",
-    "ExecResult": "sandman.session",
-    "Output": "sandman.session",
-    "Pool": "sandman.pool",
-    "Runner": "sandman.runner",
-    "RunResult": "sandman.runner",
-    "ExitCause": "sandman.runner",
+    "Sandbox": "sandman.core.session",
+    "ExecResult": "sandman.core.session",
+    "Output": "sandman.core.session",
+    "Pool": "sandman.core.pool",
+    "Runner": "sandman.core.runner",
+    "RunResult": "sandman.core.runner",
+    "ExitCause": "sandman.core.runner",
     "Policy": "sandman.policy",
     "load_policy": "sandman.policy",
     "Settings": "sandman.settings",
@@ -51,6 +51,9 @@ __all__ = [  # noqa: RUF022 - grouped as _EXPORTS
 ]
 
 if TYPE_CHECKING:
+    from sandman.core.pool import Pool
+    from sandman.core.runner import ExitCause, Runner, RunResult
+    from sandman.core.session import ExecResult, Output, Sandbox
     from sandman.errors import (
         ConfigError,
         EngineUnavailable,
@@ -61,9 +64,6 @@ if TYPE_CHECKING:
         WorkspaceError,
     )
     from sandman.policy import Policy, load_policy
-    from sandman.pool import Pool
-    from sandman.runner import ExitCause, Runner, RunResult
-    from sandman.session import ExecResult, Output, Sandbox
     from sandman.settings import Settings
 
 

@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     )
     engine_timeout_s: float = Field(default=60.0, gt=0, description="timeout of one engine API call")
     helpers_dir: Path | None = Field(default=None, description="operator upcall helpers (executables)")
-    # -- upcall relay bulkheads: what one session may cost the host (see sandman/relay.py) --------
+    # -- upcall relay bulkheads: what one session may cost the host (see sandman/upcall/relay.py) --------
     relay_isolation: Literal["process", "shared"] = Field(
         default="process",
         description="'process': each session's relay is its own process (a flood, leak or crash stays in "

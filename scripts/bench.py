@@ -123,7 +123,7 @@ def bench_teardown(env: dict[str, str], ws: Path, runs: int) -> dict[str, object
             time.sleep(0.01)
         session = [
             c
-            for c in api.containers(filters={"label": "io.sandman.session"})
+            for c in api.containers(filters={"label": "io.sandman.core.session"})
             if any(m.get("Source") == str(ws) for m in c["Mounts"])
         ]
         t0 = time.perf_counter()
@@ -138,7 +138,7 @@ def bench_teardown(env: dict[str, str], ws: Path, runs: int) -> dict[str, object
 def bench_exec(ws: Path, image: str, runs: int) -> dict[str, object]:
     import docker
 
-    from sandman.session import Sandbox
+    from sandman.core.session import Sandbox
 
     client = docker.from_env()
     bare = client.containers.run(
@@ -169,7 +169,7 @@ def bench_exec(ws: Path, image: str, runs: int) -> dict[str, object]:
 
 
 def bench_create(ws: Path, image: str, runs: int) -> dict[str, object]:
-    from sandman.session import Sandbox
+    from sandman.core.session import Sandbox
 
     ours, base = [], []
     for _ in range(runs):
@@ -205,7 +205,7 @@ def bench_create(ws: Path, image: str, runs: int) -> dict[str, object]:
 
 
 def bench_pool(ws: Path, runs: int) -> dict[str, object]:
-    from sandman.pool import Pool
+    from sandman.core.pool import Pool
 
     samples = []
     with Pool(ws, size=2) as pool:
@@ -224,7 +224,7 @@ def bench_concurrent(ws: Path, n: int = 32) -> dict[str, object]:
     import resource
     from concurrent.futures import ThreadPoolExecutor
 
-    from sandman.session import Sandbox
+    from sandman.core.session import Sandbox
 
     def one(i: int) -> bool:
         with Sandbox(ws) as sb:
@@ -274,8 +274,8 @@ print(json.dumps(out))
 
 
 def bench_upcall(ws: Path, runs: int) -> dict[str, object]:
+    from sandman.core.session import Sandbox
     from sandman.policy import Policy
-    from sandman.session import Sandbox
     from sandman.settings import Settings
 
     policy = Policy.model_validate({"upcalls": {"helpers": {"noop": {}}}})

@@ -1,4 +1,4 @@
-"""Cost of sandman.githistory's scan of a large repository, cold and cached.
+"""Cost of sandman.secrets.githistory's scan of a large repository, cold and cached.
 
 Builds (scripts/make_big_repo.py, git fast-import) a repository with ``--commits`` commits and
 ``--files`` files where ``.env`` was committed early and removed at the middle commit, then times:
@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from make_big_repo import SECRET, make_big_repo
 
-from sandman import githistory, gitjail
-from sandman.githistory import HistoryScan, find_history_secrets, secrets_from
+from sandman.secrets import githistory
+from sandman.secrets.githistory import HistoryScan, find_history_secrets, secrets_from
+from sandman.upcall import gitjail
 
 
 def _median_ms(fn: Callable[[], object], runs: int) -> float:

@@ -1,4 +1,4 @@
-"""Throughput of sandman.scrub on realistic command output, against a copy of the same stream.
+"""Throughput of sandman.secrets.scrub on realistic command output, against a copy of the same stream.
 
 The input is generated deterministically (random.Random(seed)): log lines with timestamps, Python
 and JavaScript code, JSON blobs, base64 data and hashes, with a few secrets sprinkled in (known
@@ -17,8 +17,8 @@ every few words: the terminal-code view) and a JSON log with ``\\uXXXX`` and ``\
 JSON-escape view). ``idle`` times the same stream with ``release()`` after every 4 KiB chunk, as
 an idle pause would.
 
-``--module FILE`` benchmarks the ``Scrubber`` of another copy of sandman/scrub.py (e.g. an older
-version: ``git show HEAD:sandman/scrub.py > /tmp/old_scrub.py``), in the same process conditions.
+``--module FILE`` benchmarks the ``Scrubber`` of another copy of sandman/secrets/scrub.py (e.g. an older
+version: ``git show HEAD:sandman/secrets/scrub.py > /tmp/old_scrub.py``), in the same process conditions.
 
 Usage: .venv/bin/python scripts/bench_scrub.py [--size MIB] [--json FILE] [--module FILE]
 """
@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from sandman.scrub import Scrubber as _Scrubber
+from sandman.secrets.scrub import Scrubber as _Scrubber
 
 Scrubber = _Scrubber  # --module replaces it
 

@@ -28,7 +28,7 @@ SANDBOX_UID = 1000
 
 
 def _engine_error() -> str | None:
-    from sandman.engine import connect
+    from sandman.backends.docker import connect
     from sandman.errors import EngineUnavailable
     from sandman.settings import Settings
 
@@ -45,7 +45,7 @@ def engine() -> Iterator[object]:
     err = _engine_error()
     if err:
         pytest.fail(f"{err}. These tests need a real Docker engine: run scripts/setup first.", pytrace=False)
-    from sandman.engine import connect
+    from sandman.backends.docker import connect
     from sandman.settings import Settings
 
     api = connect(Settings.load().docker_base_url())
@@ -56,8 +56,8 @@ def engine() -> Iterator[object]:
 @pytest.fixture(scope="session")
 def agent_image(engine: object) -> str:
     """sandman's agent image, built (or found cached) once per test session."""
-    from sandman.image import Campaign, CampaignImage
-    from sandman.runner import Runner
+    from sandman.backends.image import Campaign, CampaignImage
+    from sandman.core.runner import Runner
 
     return Runner().images().ensure(Campaign("base", CampaignImage(), None))
 
@@ -121,7 +121,7 @@ def sandman(
 
 
 def sandman_containers(engine: object, session: str | None = None) -> list[dict[str, object]]:
-    label = "io.sandman.session" + (f"={session}" if session else "")
+    label = "io.sandman.core.session" + (f"={session}" if session else "")
     return engine.containers(all=True, filters={"label": label})  # type: ignore[attr-defined,no-any-return]
 
 
@@ -130,7 +130,7 @@ def workspace_containers(engine: object, workspace: Path, *, all_: bool = True) 
     when other tests run sandboxes at the same time."""
     return [
         c
-        for c in engine.containers(all=all_, filters={"label": "io.sandman.session"})  # type: ignore[attr-defined]
+        for c in engine.containers(all=all_, filters={"label": "io.sandman.core.session"})  # type: ignore[attr-defined]
         if any(m.get("Source") == str(workspace) for m in c.get("Mounts") or [])
     ]
 

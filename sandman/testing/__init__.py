@@ -38,7 +38,7 @@ from sandman.errors import UsageError
 from sandman.policy import Policy, parse_size
 
 if TYPE_CHECKING:
-    from sandman.session import ExecResult, Sandbox
+    from sandman.core.session import ExecResult, Sandbox
     from sandman.settings import Settings
 
 __all__ = ["SandboxReady", "SandmanContainer"]
@@ -169,7 +169,7 @@ class SandmanContainer(DockerContainer):
         return Policy.model_validate(policy.model_dump())
 
     def start(self) -> Self:
-        from sandman.session import Sandbox
+        from sandman.core.session import Sandbox
 
         if not testcontainers_config.ryuk_disabled:
             from testcontainers.core.container import Reaper
@@ -221,7 +221,7 @@ class SandmanContainer(DockerContainer):
 
     def get_upcall_socket_path(self) -> str:
         """The relay's socket on the host (inside the sandbox: /run/sandman/upcall/upcall.sock)."""
-        from sandman.relay import upcall_socket
+        from sandman.upcall.relay import upcall_socket
 
         return str(upcall_socket(self.sandbox.record.runtime_dir))
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sandman.ghrestricted import Decision, GhConfig, GhResult, Rule, evaluate, execute
+from sandman.upcall.ghrestricted import Decision, GhConfig, GhResult, Rule, evaluate, execute
 from tests.support.fake_github import FakeGitHub
 
 APP = "acme/app"

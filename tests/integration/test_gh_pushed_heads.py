@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from sandman.ghhelper import GhHelper, GhHelperConfig
-from sandman.helpers import GitPushConfig, GitPushHelper, HelperContext, HelperError
+from sandman.core.state import StateStore
+from sandman.core.workspace import Workspace
 from sandman.policy import Policy
 from sandman.settings import Settings
-from sandman.state import StateStore
-from sandman.workspace import Workspace
+from sandman.upcall.ghhelper import GhHelper, GhHelperConfig
+from sandman.upcall.helpers import GitPushConfig, GitPushHelper, HelperContext, HelperError
 from tests.conftest import SANDBOX_UID, skip_unless
 from tests.support.fake_github import FakeGitHub
 from tests.support.git_world import World

@@ -45,9 +45,9 @@ def test_run_output_shows_only_redactions(
 def test_session_exec_output_and_audit_are_scrubbed(
     engine: object, agent_image: str, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sandman.session import Sandbox
+    from sandman.core.session import Sandbox
+    from sandman.core.state import StateStore
     from sandman.settings import Settings
-    from sandman.state import StateStore
 
     monkeypatch.setenv("SANDMAN_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("SANDMAN_RUNTIME_DIR", str(tmp_path / "run"))

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from sandman.runner import ExitCause
-from sandman.session import ExecResult, Output, Sandbox, SessionGone
+from sandman.core.runner import ExitCause
+from sandman.core.session import ExecResult, Output, Sandbox, SessionGone
+from sandman.core.state import StateStore
 from sandman.settings import Settings
-from sandman.state import StateStore
 from tests.conftest import SANDMAN
 
 pytestmark = pytest.mark.docker
@@ -38,7 +38,7 @@ def sb(engine: object, agent_image: str, workspace: Path, settings: Settings) ->
 
 
 def containers_of(engine: object, session_id: str) -> list[dict[str, object]]:
-    return engine.containers(all=True, filters={"label": f"io.sandman.session={session_id}"})  # type: ignore[attr-defined,no-any-return]
+    return engine.containers(all=True, filters={"label": f"io.sandman.core.session={session_id}"})  # type: ignore[attr-defined,no-any-return]
 
 
 def test_exec_runs_in_both_layers_with_streams_and_exit_codes(sb: Sandbox, workspace: Path) -> None:
@@ -147,8 +147,8 @@ def test_attach_from_a_second_process_and_stop_is_fast(
 
 
 def test_idle_timeout_ends_the_session(engine: object, agent_image: str, workspace: Path, settings: Settings) -> None:
+    from sandman.core.reaper import reconcile
     from sandman.policy import load_policy
-    from sandman.reaper import reconcile
 
     policy = load_policy().with_resources(idle_timeout_s=1.5)
     box = Sandbox(workspace, settings=settings, policy=policy, owned=False)
@@ -186,7 +186,7 @@ def test_kill_9_of_the_owning_process_mid_exec_then_gc_leaves_nothing(
 def test_reconcile_marks_a_session_whose_container_vanished_as_lost(
     engine: object, agent_image: str, workspace: Path, settings: Settings
 ) -> None:
-    from sandman.reaper import reconcile
+    from sandman.core.reaper import reconcile
 
     box = Sandbox(workspace, settings=settings, owned=False)
     engine.remove_container(box.record.container_id, force=True)  # type: ignore[attr-defined]
@@ -197,7 +197,7 @@ def test_reconcile_marks_a_session_whose_container_vanished_as_lost(
 def test_pool_acquire_release_and_replace(
     engine: object, agent_image: str, workspace: Path, settings: Settings
 ) -> None:
-    from sandman.pool import Pool
+    from sandman.core.pool import Pool
 
     with Pool(workspace, size=2, settings=settings) as pool:
         assert pool.ready() == 2
@@ -217,8 +217,8 @@ def test_pool_acquire_release_and_replace(
 def test_policy_changes_apply_live_or_say_they_need_a_new_session(
     engine: object, agent_image: str, workspace: Path, settings: Settings, tmp_path: Path
 ) -> None:
-    from sandman.enforce import CommandRefused
     from sandman.errors import UsageError
+    from sandman.policy.enforce import CommandRefused
 
     with Sandbox(workspace, settings=settings) as box:
         assert box.exec(["sh", "-c", "echo ${MODE:-unset}"]).stdout == b"unset\n"
@@ -242,7 +242,7 @@ def test_policy_changes_apply_live_or_say_they_need_a_new_session(
 
 
 def test_files_api_is_path_validated(sb: Sandbox, workspace: Path, settings: Settings) -> None:
-    from sandman.paths import PathDenied
+    from sandman.policy.paths import PathDenied
 
     sb.files.write("src/app.py", "print('hi')\n")
     assert sb.exec(["python3", "src/app.py"]).stdout == b"hi\n"  # the sandbox sees it

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from sandman.session import Sandbox
+from sandman.core.session import Sandbox
+from sandman.core.state import StateStore
 from sandman.settings import Settings
-from sandman.state import StateStore
 from tests.conftest import make_workspace
 from tests.support.fake_github import FakeGitHub
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sandman.session import Sandbox
+from sandman.core.session import Sandbox
 from sandman.settings import Settings
 from tests.conftest import make_workspace
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sandman.enforce import CommandRefused, landlock_abi
+from sandman.core.session import Sandbox
 from sandman.policy import Policy
-from sandman.session import Sandbox
+from sandman.policy.enforce import CommandRefused, landlock_abi
 from sandman.settings import Settings
 from tests.conftest import SANDMAN, make_workspace, skip_unless
 

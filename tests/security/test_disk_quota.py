@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sandman.runner import ExitCause
-from sandman.session import Sandbox
+from sandman.core.runner import ExitCause
+from sandman.core.session import Sandbox
 from sandman.settings import Settings
 from tests.conftest import SANDMAN, make_workspace
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from sandman import verify
-from sandman.session import ExecResult, Sandbox
-from sandman.verify import PROBE_NAMES, ProbeResult
+from sandman.core import verify
+from sandman.core.session import ExecResult, Sandbox
+from sandman.core.verify import PROBE_NAMES, ProbeResult
 
 pytestmark = pytest.mark.docker
 
@@ -196,7 +196,7 @@ def test_runtime_versions(engine: Any) -> None:
 def test_secret_scan_matches_digests_of_embedded_values() -> None:
     """The host_secrets probe's matcher (host-side check of the in-sandbox code): a secret embedded
     in a longer value is found from its salted digest alone; a near miss is not."""
-    from sandman import verify_probes
+    from sandman.core import verify_probes
 
     secret, salt = b"sm-secret-0123456789abcdef", "salt"
     needles = {"TOKEN": (len(secret), verify_probes.digest(salt, secret))}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from sandman.core.runner import ExitCause
+from sandman.core.session import Sandbox
 from sandman.policy import load_policy
-from sandman.runner import ExitCause
-from sandman.session import Sandbox
 from sandman.settings import Settings
 from tests.conftest import workspace_containers
 

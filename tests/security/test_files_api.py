@@ -3,7 +3,7 @@ and sandman's control files are refused, no symlink is followed in any component
 as the workspace owner and not as root, and a ``renameat2(RENAME_EXCHANGE)`` loop that beats the
 old check-then-open (shown here too, as the positive control of the attack) never wins.
 
-Built on ``sandman.files.Files`` with a Workspace and a Policy directly: no engine needed."""
+Built on ``sandman.core.files.Files`` with a Workspace and a Policy directly: no engine needed."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from sandman import files as files_mod
+from sandman.core import files as files_mod
+from sandman.core.files import Files
+from sandman.core.workspace import Workspace
 from sandman.errors import UsageError
-from sandman.files import Files
-from sandman.paths import PathDenied, validate_path
 from sandman.policy import Policy
-from sandman.workspace import Workspace
+from sandman.policy.paths import PathDenied, validate_path
 from tests.conftest import SANDBOX_UID, make_workspace, skip_unless
 
 AS_ROOT = os.geteuid() == 0

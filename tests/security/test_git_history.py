@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from sandman.core.session import Sandbox
 from sandman.policy import Policy
-from sandman.session import Sandbox
 from sandman.settings import Settings
 from tests.conftest import SANDMAN, make_workspace
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from sandman.core.session import Sandbox
 from sandman.policy import Policy
-from sandman.session import Sandbox
 from sandman.settings import Settings
 from tests.conftest import SANDMAN, make_workspace
 
@@ -136,7 +136,7 @@ def test_a_clean_session_reports_nothing(engine: object, agent_image: str, ws: P
 def test_the_next_start_refuses_what_an_earlier_sandbox_left_until_the_operator_acts(
     engine: object, agent_image: str, ws: Path, settings: Settings, marker: Path
 ) -> None:
-    from sandman.enforce import PoisonedWorkspace
+    from sandman.policy.enforce import PoisonedWorkspace
 
     with Sandbox(ws, settings=settings) as sb:  # first use: the workspace as it is is the operator's
         # The red team's route: .git is writable (objects, refs), so a missing .git/commondir can be made.
@@ -175,7 +175,7 @@ def test_the_next_start_refuses_what_an_earlier_sandbox_left_until_the_operator_
 def test_what_the_scan_cannot_see_through_gates_the_next_start(
     engine: object, agent_image: str, ws: Path, settings: Settings, marker: Path, plant: str
 ) -> None:
-    from sandman.enforce import PoisonedWorkspace
+    from sandman.policy.enforce import PoisonedWorkspace
 
     with Sandbox(ws, settings=settings) as sb:
         res = sb.exec(["sh", "-c", plant.format(marker=marker)])

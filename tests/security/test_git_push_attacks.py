@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from sandman import gitjail
-from sandman.helpers import HelperError, HelperResult
+from sandman.upcall import gitjail
+from sandman.upcall.helpers import HelperError, HelperResult
 from tests.conftest import IN_CI, make_workspace, skip_unless
 from tests.support.git_world import World, _has_object, commit, git
 
@@ -367,7 +367,7 @@ def test_refs_that_read_without_end_are_refused_and_git_memory_is_capped(
     git's heap is capped for a ref swapped in after the check."""
     import threading
 
-    from sandman import gitjail
+    from sandman.upcall import gitjail
 
     repo = tmp_path / "repo"
     subprocess.run(["git", "init", "-q", str(repo)], check=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from sandman.session import Sandbox
+from sandman.core.session import Sandbox
 from sandman.settings import Settings
 from tests.conftest import make_workspace, skip_unless
 from tests.support.fake_github import FakeGitHub

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from sandman.enforce import Masks
+from sandman.core.session import Sandbox
 from sandman.errors import CampaignError, ConfigError
-from sandman.paths import PathDenied
 from sandman.policy import Policy
-from sandman.session import Sandbox
+from sandman.policy.enforce import Masks
+from sandman.policy.paths import PathDenied
 from sandman.settings import Settings
 from tests.conftest import SANDMAN, make_workspace
 
@@ -275,7 +275,7 @@ def test_layer_one_cannot_plant_in_the_runtime_dir_and_the_host_chowns_nothing(
 def test_the_host_never_connects_through_a_symlink_in_the_control_dir(
     sb: Sandbox, engine: object, tmp_path: Path
 ) -> None:
-    from sandman.session import SessionGone, connect_control
+    from sandman.core.session import SessionGone, connect_control
 
     decoy = tmp_path / "decoy.sock"
     listener = socket.socket(socket.AF_UNIX)
@@ -466,7 +466,7 @@ def test_a_campaign_build_cannot_replace_sandmans_trusted_pieces(
     with Sandbox(ws, settings=settings, accept_campaign=True) as box:
         res = box.exec(["echo", "real"])
     assert res.stdout == b"real\n" and b"PWNED" not in res.stdout + res.stderr
-    for img in engine.images(filters={"label": "io.sandman.campaign"}):  # type: ignore[attr-defined]
+    for img in engine.images(filters={"label": "io.sandman.policy.campaign"}):  # type: ignore[attr-defined]
         if any(t.startswith(("sandman/campaign-evil", "sandman/campaign-shim")) for t in img["RepoTags"] or []):
             subprocess.run(["docker", "rmi", "-f", img["Id"]], capture_output=True)
 
@@ -474,8 +474,8 @@ def test_a_campaign_build_cannot_replace_sandmans_trusted_pieces(
 def test_what_is_built_is_what_was_checked(engine: object, agent_image: str, ws: Path, settings: Settings) -> None:
     # The red team's race: the check reads .sandman/ once, the build read it again by path, and an
     # exec swapped the files in between. Now the build and the policy read the checked snapshot.
-    from sandman.image import load_campaign
-    from sandman.runner import Runner
+    from sandman.backends.image import load_campaign
+    from sandman.core.runner import Runner
 
     (ws / ".sandman").mkdir()
     (ws / ".sandman" / "image.toml").write_text('name = "checked"\n')
@@ -502,7 +502,7 @@ def test_a_campaign_cannot_change_the_supervisors_python_either(
     make_workspace(ws)
     with pytest.raises(Exception, match=r"replaces sandman's trusted pieces \(/usr/lib/python3.11\)"):
         Sandbox(ws, settings=settings)
-    for img in engine.images(filters={"label": "io.sandman.campaign=stdlib"}):  # type: ignore[attr-defined]
+    for img in engine.images(filters={"label": "io.sandman.policy.campaign=stdlib"}):  # type: ignore[attr-defined]
         subprocess.run(["docker", "rmi", "-f", img["Id"]], capture_output=True)
 
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from sandman import resources
-from sandman.bwrap import BwrapSpec, bwrap_argv
-from sandman.engine import ContainerSpec, container_kwargs
+from sandman.backends.docker import ContainerSpec, container_kwargs
+from sandman.core.bwrap import BwrapSpec, bwrap_argv
+from sandman.core.runner import TINI
 from sandman.policy import Resources
-from sandman.runner import TINI
-from sandman.seccomp import Relaxation, build_profile, render
+from sandman.policy.seccomp import Relaxation, build_profile, render
 from tests.conftest import SANDBOX_UID, make_workspace
 
 pytestmark = pytest.mark.docker
@@ -41,7 +41,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def sandbox_resources() -> Resources:
     """The resources of sandman's default policy (what a real sandbox gets)."""
-    from sandman.runner import Runner
+    from sandman.core.runner import Runner
 
     return Runner().policy(None).resources
 

@@ -28,11 +28,11 @@ from typing import Any
 import pytest
 from loguru import logger
 
+from sandman.core.state import StateStore
+from sandman.core.workspace import Workspace
 from sandman.policy import Policy
-from sandman.relay import RelayContext, RelayHost
 from sandman.settings import Settings
-from sandman.state import StateStore
-from sandman.workspace import Workspace
+from sandman.upcall.relay import RelayContext, RelayHost
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOW_TO_SCAN = "%3Dsk-" * 150_000  # 900 KB; Scrubber.scan_text needs ~19 s for it on this host
@@ -409,7 +409,7 @@ def test_a_sandbox_attacking_its_relay_costs_another_sandbox_nothing(
 ) -> None:
     """The same, with real sessions: the attack runs inside one sandbox against its own relay,
     the canary inside another against its own, both measured in the sandbox."""
-    from sandman.session import Sandbox
+    from sandman.core.session import Sandbox
     from tests.conftest import make_workspace
 
     policy = tmp_path / "policy.toml"

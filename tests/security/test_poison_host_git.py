@@ -5,7 +5,7 @@ sandman's workspaces are), then proves three things with this host's git, run as
 no system or global config and no sandman protection at all:
 
 1. the attack is real: the user's ordinary git command runs the planted command (positive control);
-2. ``sandman.poison.scan_workspace`` reports it, by path and key;
+2. ``sandman.core.poison.scan_workspace`` reports it, by path and key;
 3. after ``quarantine``, the same git command runs nothing.
 
 No Docker needed: this is the host side, after the sandbox is gone.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sandman.poison import Finding, quarantine, quarantine_dir, scan_workspace, take_baseline
+from sandman.core.poison import Finding, quarantine, quarantine_dir, scan_workspace, take_baseline
 from tests.conftest import SANDBOX_UID, make_workspace
 
 OWNER = SANDBOX_UID if os.geteuid() == 0 else os.geteuid()

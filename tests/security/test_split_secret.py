@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from sandman.core.runner import Runner
+from sandman.core.session import ExecResult, Output, Sandbox
+from sandman.core.state import StateStore
 from sandman.policy import Policy, SecretsPolicy
-from sandman.runner import Runner
-from sandman.scrub import _b64_cores
-from sandman.session import ExecResult, Output, Sandbox
+from sandman.secrets.scrub import _b64_cores
 from sandman.settings import Settings
-from sandman.state import StateStore
 from tests.conftest import SANDBOX_UID, make_workspace
 
 pytestmark = pytest.mark.docker

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sandman.terminal import neutralize
+from sandman.cli.terminal import neutralize
 from tests.conftest import ROOT, SANDMAN
 
 pytestmark = pytest.mark.docker

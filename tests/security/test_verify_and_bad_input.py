@@ -159,8 +159,8 @@ def test_huge_argv_and_nul_bytes(engine: object, agent_image: str, workspace: Pa
     res = sandman("run", "--workspace", str(workspace), "--", "sh", "-c", "echo $#", "sh", *big, env=cli_env)
     _no_traceback(res)
     assert (res.returncode == 0 and res.stdout.strip() == "1000") or len(res.stderr.strip().splitlines()) == 1
+    from sandman.core.runner import Runner
     from sandman.errors import UsageError
-    from sandman.runner import Runner
 
     with pytest.raises(UsageError, match="NUL"):
         Runner().run(["echo", "a\x00b"], workspace)

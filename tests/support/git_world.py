@@ -9,10 +9,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from sandman.helpers import GitPushConfig, GitPushHelper, HelperContext, HelperResult
+from sandman.core.workspace import Workspace
 from sandman.policy import Policy
 from sandman.settings import Settings
-from sandman.workspace import Workspace
+from sandman.upcall.helpers import GitPushConfig, GitPushHelper, HelperContext, HelperResult
 from tests.conftest import SANDBOX_UID, make_workspace
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sandman.bwrap import BwrapSpec, ProbeFailure, base_env, bwrap_argv, classify_probe, guard_request, probe_fix
+from sandman.core.bwrap import BwrapSpec, ProbeFailure, base_env, bwrap_argv, classify_probe, guard_request, probe_fix
 
 
 def test_bwrap_argv_exact_output() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from sandman.commands import (
+from sandman.policy.commands import (
     DEFAULT_COMMANDS,
     DEFAULT_RULES,
     CommandsPolicy,

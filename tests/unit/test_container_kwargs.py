@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sandman import __version__
-from sandman.engine import ContainerSpec, container_kwargs
+from sandman.backends.docker import ContainerSpec, container_kwargs
 from sandman.policy import Resources, Runtime
 
 
@@ -48,11 +48,11 @@ def test_container_kwargs_exact_output() -> None:
         },
         "working_dir": "/workspace",
         "labels": {
-            "io.sandman.session": "sm-123",
-            "io.sandman.campaign": "demo",
+            "io.sandman.core.session": "sm-123",
+            "io.sandman.policy.campaign": "demo",
             "io.sandman.version": __version__,
             "io.sandman.kind": "sandbox",
-            "io.sandman.state": "0123abcd4567",
+            "io.sandman.core.state": "0123abcd4567",
         },
         "hostname": "sandman",
         "stdin_open": False,
@@ -94,7 +94,12 @@ def test_container_kwargs_exact_output() -> None:
                     "Type": "bind",
                     "ReadOnly": False,
                 },
-                {"Target": "/usr/lib/sandman", "Source": "/run/user/1000/sandman/lib-x", "Type": "bind", "ReadOnly": True},
+                {
+                    "Target": "/usr/lib/sandman",
+                    "Source": "/run/user/1000/sandman/lib-x",
+                    "Type": "bind",
+                    "ReadOnly": True,
+                },
             ],
             "IpcMode": "private",
             "Runtime": "runc",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from sandman.envpolicy import (
+from sandman.errors import ConfigError
+from sandman.policy.environment import (
     DEFAULT_REFUSED_NAMES,
     DEFAULT_REFUSED_PATTERNS,
     EnvironmentPolicy,
@@ -14,7 +15,6 @@ from sandman.envpolicy import (
     refusal,
     validate_policy,
 )
-from sandman.errors import ConfigError
 
 HOST = {
     "PATH": "/usr/bin",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sandman.ghrestricted import GhConfig, Rule, evaluate
-from sandman.helpers import _REF
+from sandman.upcall.ghrestricted import GhConfig, Rule, evaluate
+from sandman.upcall.helpers import _REF
 
 APP = "acme/app"
 DRAFTS = GhConfig(mode="draft-prs", allowed_repos=[APP])

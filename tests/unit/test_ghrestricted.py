@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from sandman.errors import SandmanError
-from sandman.ghrestricted import (
+from sandman.upcall.ghrestricted import (
     NEVER,
     Decision,
     GhAction,

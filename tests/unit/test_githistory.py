@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from sandman import githistory
 from sandman.errors import ConfigError
-from sandman.githistory import describe, find_history_secrets, secrets_from
-from sandman.gitjail import JailResult
-from sandman.paths import DEFAULT_ALLOW, DEFAULT_DENY, denied_by
 from sandman.policy import effective_policy, load_policy, named_policy_path
+from sandman.policy.paths import DEFAULT_ALLOW, DEFAULT_DENY, denied_by
+from sandman.secrets import githistory
+from sandman.secrets.githistory import describe, find_history_secrets, secrets_from
+from sandman.upcall.gitjail import JailResult
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "sk-live-123456789"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from sandman.backends.image import CampaignImage, apt_mirror, load_campaign
 from sandman.errors import CampaignError, ConfigError
-from sandman.image import CampaignImage, apt_mirror, load_campaign
 
 
 def write(ws: Path, rel: str, text: str) -> Path:

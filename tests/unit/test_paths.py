@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sandman.errors import ConfigError, UsageError
-from sandman.paths import (
+from sandman.policy.paths import (
     DEFAULT_ALLOW,
     DEFAULT_DENY,
     DEFAULT_PROTECTED,
@@ -126,10 +126,29 @@ def test_protected_paths_are_exported() -> None:
 
 @pytest.mark.parametrize(
     "rel",
-    [".ENV", "KEY.PEM", "Secret.txt", "SERVER.PEM", ".Env.Production", "ID_RSA", ".envrc", "id_ecdsa",
-     "id_ed25519", ".aws/credentials", "a/.aws/credentials", ".git-credentials", ".npmrc", ".netrc",
-     ".pypirc", "cert.p12", "cert.PFX", "prod.tfstate", "prod.tfstate.backup", ".docker/config.json",
-     ".kube/config"],
+    [
+        ".ENV",
+        "KEY.PEM",
+        "Secret.txt",
+        "SERVER.PEM",
+        ".Env.Production",
+        "ID_RSA",
+        ".envrc",
+        "id_ecdsa",
+        "id_ed25519",
+        ".aws/credentials",
+        "a/.aws/credentials",
+        ".git-credentials",
+        ".npmrc",
+        ".netrc",
+        ".pypirc",
+        "cert.p12",
+        "cert.PFX",
+        "prod.tfstate",
+        "prod.tfstate.backup",
+        ".docker/config.json",
+        ".kube/config",
+    ],
 )
 def test_denied_whatever_the_case_and_the_widened_list(rel: str) -> None:
     assert denied_by(rel) is not None
@@ -338,7 +357,7 @@ def test_find_denied_says_when_the_limit_cut_it_short(tmp_path: Path) -> None:
 
 
 def test_a_rescan_sees_changes_and_keeps_listings_of_unchanged_dirs(tmp_path: Path) -> None:
-    from sandman.paths import WorkspaceScanner
+    from sandman.policy.paths import WorkspaceScanner
 
     root = tmp_path / "ws"
     (root / "a" / "b").mkdir(parents=True)
@@ -350,9 +369,7 @@ def test_a_rescan_sees_changes_and_keeps_listings_of_unchanged_dirs(tmp_path: Pa
     (root / "a" / "b" / "credentials.json").write_text("x")  # changes b's mtime: b is listed again
     assert [d.path.name for d in scanner.scan().paths] == ["credentials.json"]
     (root / "a").rename(root / "moved")
-    assert [d.path.relative_to(root.resolve()).as_posix() for d in scanner.scan().paths] == [
-        "moved/b/credentials.json"
-    ]
+    assert [d.path.relative_to(root.resolve()).as_posix() for d in scanner.scan().paths] == ["moved/b/credentials.json"]
 
 
 def test_find_denied_through_a_symlinked_workspace(tmp_path: Path) -> None:
@@ -388,7 +405,7 @@ def test_find_denied_on_20k_files_is_fast(tmp_path: Path) -> None:
 def test_a_directory_with_more_subdirectories_than_descriptors_is_still_walked(tmp_path: Path) -> None:
     import resource
 
-    from sandman.paths import WorkspaceScanner
+    from sandman.policy.paths import WorkspaceScanner
 
     root = tmp_path / "ws"
     (root / "config").mkdir(parents=True)
@@ -409,7 +426,7 @@ def test_a_directory_swapped_during_the_walk_never_hides_a_secret(tmp_path: Path
     import ctypes
     import threading
 
-    from sandman.paths import WorkspaceScanner
+    from sandman.policy.paths import WorkspaceScanner
 
     root = tmp_path / "ws"
     (root / "config").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""sandman.poison on temporary workspaces: the git config parser (checked against git itself), the
+"""sandman.core.poison on temporary workspaces: the git config parser (checked against git itself), the
 scanner (what it reports, what it never follows or opens), baselines, quarantine and the CLI.
 
 Whether the attacks are real, and whether quarantine defuses them for the host user's git, is
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from sandman import poison
 from sandman.cli import app
-from sandman.poison import Baseline, Finding, parse_git_config, quarantine, scan_workspace, take_baseline
+from sandman.core import poison
+from sandman.core.poison import Baseline, Finding, parse_git_config, quarantine, scan_workspace, take_baseline
 
 GIT_ENV = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_TERMINAL_PROMPT": "0"}
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandman.errors import SandmanError
-from sandman.scrub import (
+from sandman.secrets.scrub import (
     EXAMPLE_KEYS,
     MIN_SECRET_LEN,
     PATTERNS,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 from sandman import resources
-from sandman.seccomp import CLONE_NEWUSER, Relaxation, build_profile, render
+from sandman.policy.seccomp import CLONE_NEWUSER, Relaxation, build_profile, render
 
 
 def test_shipped_profile_matches_the_generator() -> None:
     shipped = resources.seccomp_profile_path().read_text()
-    assert shipped == render(build_profile()), "run: python -m sandman.seccomp > policies/seccomp/sandman.json"
+    assert shipped == render(build_profile()), "run: python -m sandman.policy.seccomp > policies/seccomp/sandman.json"
 
 
 def _rules(profile: dict, name: str) -> list[dict]:  # type: ignore[type-arg]

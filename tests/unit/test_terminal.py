@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from sandman.terminal import SGR_MAX_PARAMS, Neutralizer, for_fd, neutralize
+from sandman.cli.terminal import SGR_MAX_PARAMS, Neutralizer, for_fd, neutralize
 
 SGR = re.compile(rb"\x1b\[[0-9;:]*m")
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from sandman.core.workspace import resolve_workspace
 from sandman.errors import WorkspaceError
-from sandman.workspace import resolve_workspace
 
 
 def test_missing_file_root_and_home_are_refused(tmp_path: Path) -> None:

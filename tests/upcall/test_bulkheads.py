@@ -20,14 +20,14 @@ from typing import Any, ClassVar
 import pytest
 from loguru import logger
 
-from sandman import helpers as helpers_mod
-from sandman.enforce import make_scrubber
-from sandman.helpers import Helper, HelperContext, HelperResult
+from sandman.core.state import StateStore, cut, fit_detail
+from sandman.core.workspace import Workspace
 from sandman.policy import Policy
-from sandman.relay import Auditor, LogGate, RelayContext, RelayHost, check_texts, raise_nofile_limit
+from sandman.policy.enforce import make_scrubber
 from sandman.settings import Settings
-from sandman.state import StateStore, cut, fit_detail
-from sandman.workspace import Workspace
+from sandman.upcall import helpers as helpers_mod
+from sandman.upcall.helpers import Helper, HelperContext, HelperResult
+from sandman.upcall.relay import Auditor, LogGate, RelayContext, RelayHost, check_texts, raise_nofile_limit
 
 ROOT = Path(__file__).resolve().parents[2]
 GHP = "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
@@ -421,7 +421,7 @@ def test_the_log_gate_says_a_line_once_and_counts_the_rest() -> None:
 def test_the_controller_log_rotates(tmp_path: Path) -> None:
     log = tmp_path / "controller-x.log"
     code = (
-        "from pathlib import Path; from loguru import logger; from sandman import controller\n"
+        "from pathlib import Path; from loguru import logger; from sandman.core import controller\n"
         f"controller._log_to_rotating_file(Path({str(log)!r}))\n"
         "for i in range(20000): logger.info('line {} {}', i, 'x' * 100)\n"
         "print('through stdout too')\n"
@@ -437,7 +437,7 @@ def test_the_controller_log_rotates(tmp_path: Path) -> None:
 def test_invisible_characters_never_hide_a_secret_in_upcall_arguments() -> None:
     """Red-team round 4: characters Unicode renders as nothing (musical beams, shorthand format
     controls) interleaved in a token slipped past a hand-written list of invisible characters."""
-    from sandman.relay import _visible, check_texts
+    from sandman.upcall.relay import _visible, check_texts
 
     token = "ghp_" + "A" * 36
     for joiner in ("\u200b", "\U0001d173", "\U0001bca0", "\u2060", "\ufe0f", "\u0301"):

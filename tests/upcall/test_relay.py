@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sandman.core.state import StateStore
+from sandman.core.workspace import Workspace
 from sandman.policy import Policy
-from sandman.relay import RelayContext, RelayHost
 from sandman.settings import Settings
-from sandman.state import StateStore
-from sandman.workspace import Workspace
+from sandman.upcall.relay import RelayContext, RelayHost
 
 
 @pytest.fixture

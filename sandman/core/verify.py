@@ -1,7 +1,7 @@
 """The escape battery: non-destructive probes run inside a live sandbox session, each with a
 positive control run in the same sandbox that shows the probe's mechanism works.
 
-``run_battery(sandbox)`` sends ``sandman/verify_probes.py`` (stdlib only) to ``python3`` inside
+``run_battery(sandbox)`` sends ``sandman/core/verify_probes.py`` (stdlib only) to ``python3`` inside
 both layers in ONE exec and returns a ``ProbeResult`` row per probe. ``runtime_versions(api)`` and
 ``runc_warnings(version)`` report the engine and runc, and warn about runc releases with known
 container-escape CVEs.
@@ -33,19 +33,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sandman import verify_probes
-from sandman.relay import upcall_socket
+from sandman.core import verify_probes
+from sandman.upcall.relay import upcall_socket
 
 if TYPE_CHECKING:
     import docker
 
-    from sandman.session import Sandbox
+    from sandman.core.session import Sandbox
 
 MARKER = "SANDMAN-VERIFY "
 # The in-sandbox bootstrap: parameters on the first stdin line, the probe source after it.
 BOOT = (
     "import sys,json;p=json.loads(sys.stdin.readline());g={'__name__':'sandman_verify'};"
-    "exec(compile(sys.stdin.read(),'sandman/verify_probes.py','exec'),g);"
+    "exec(compile(sys.stdin.read(),'sandman/core/verify_probes.py','exec'),g);"
     f"sys.stdout.write({MARKER!r}+json.dumps(g['main'](p))+'\\n')"
 )
 # Host variables whose values are treated as secrets and searched for inside the sandbox.
@@ -153,7 +153,7 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
         "a workspace file opens for writing; /tmp accepts a new file",
     ),
     "mountinfo": (
-        "/proc/self/mountinfo shows only the intended mounts and host paths (see sandman.verify's docstring)",
+        "/proc/self/mountinfo shows only the intended mounts and host paths (see sandman.core.verify's docstring)",
         "the rules flag a synthetic /var/lib/docker and host /home bind; the workspace bind is found",
     ),
     "tiocsti": (

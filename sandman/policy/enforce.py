@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandman import bwrap
-from sandman.commands import check_command
-from sandman.envpolicy import _refusal as env_refusal
-from sandman.envpolicy import build_env, refusal
+from sandman.core import bwrap
+from sandman.core.workspace import Workspace
 from sandman.errors import ConfigError, UsageError
-from sandman.paths import DEFAULT_PROTECTED, PathDenied, WorkspaceScanner, denied_by, validate_path
 from sandman.policy import Policy
-from sandman.scrub import EXAMPLE_KEYS, Scrubber
+from sandman.policy.commands import check_command
+from sandman.policy.environment import _refusal as env_refusal
+from sandman.policy.environment import build_env, refusal
+from sandman.policy.paths import DEFAULT_PROTECTED, PathDenied, WorkspaceScanner, denied_by, validate_path
+from sandman.secrets.scrub import EXAMPLE_KEYS, Scrubber
 from sandman.settings import Settings
-from sandman.workspace import Workspace
 
 ENV_DIR = "env"  # under the session's runtime dir; bound file-by-file into layer 2
 
@@ -99,7 +99,7 @@ def history_secrets(
 ) -> dict[str, str]:
     """Deny-listed files in the repository's history (``filesystem.git_history``): ``scrub``
     returns every version as a known secret (and warns), ``refuse`` raises, ``allow`` audits."""
-    from sandman import githistory
+    from sandman.secrets import githistory
 
     fs = policy.filesystem
     scan = githistory.find_history_secrets(ws.path, fs.deny, fs.allow, cache_dir=settings.state_dir / "githistory")
@@ -411,7 +411,7 @@ def poison_check(
 ) -> list[str]:
     """After a sandbox: what it left that would make the host user's git or editor run code
     (new or changed since ``baseline``), reported loudly and, by policy, quarantined."""
-    from sandman import poison
+    from sandman.core import poison
 
     findings = poison.scan_workspace(ws.path, baseline)
     if not findings:

@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING, Any
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from sandman import __version__
-from sandman.bwrap import HOME, SANDBOX_PATH, WORKSPACE
+from sandman.core.bwrap import HOME, SANDBOX_PATH, WORKSPACE
 from sandman.errors import EngineUnavailable
 from sandman.policy import Resources, Runtime
 
 if TYPE_CHECKING:
     import docker
 
-LABEL_SESSION = "io.sandman.session"
-LABEL_CAMPAIGN = "io.sandman.campaign"
+LABEL_SESSION = "io.sandman.core.session"
+LABEL_CAMPAIGN = "io.sandman.policy.campaign"
 LABEL_VERSION = "io.sandman.version"
 LABEL_KIND = "io.sandman.kind"
 # Which state store owns the container: reconcile only ever reaps its own store's containers.
-LABEL_STATE = "io.sandman.state"
+LABEL_STATE = "io.sandman.core.state"
 RUNTIME_DIR_IN_CONTAINER = "/run/sandman"
 CONTROL_DIR_IN_CONTAINER = "/run/sandman/control"  # the one runtime subdir the container writes
 TRUSTED_DIR_IN_CONTAINER = "/usr/lib/sandman"  # supervisor, launcher, exec shim: sandman's, read-only

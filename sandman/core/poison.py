@@ -1461,7 +1461,7 @@ def _write_manifest(dest_fd: int, dest_dir: Path, workspace: Path, report: Quara
 
 
 def audit(store: Any, session: str | None, findings: list[Finding], report: QuarantineReport | None = None) -> None:
-    """Record a scan in the audit log (``sandman.state.StateStore``); never raises."""
+    """Record a scan in the audit log (``sandman.core.state.StateStore``); never raises."""
     with contextlib.suppress(Exception):
         store.audit(
             session,

@@ -13,15 +13,14 @@ import threading
 import time
 from pathlib import Path
 
-from sandman import enforce
+from sandman.backends.image import load_campaign
+from sandman.core.runner import Runner, process_start
+from sandman.core.session import Sandbox, _as_policy
+from sandman.core.state import SessionState, StateStore
+from sandman.core.workspace import resolve_workspace
 from sandman.errors import SandmanError, UsageError
-from sandman.image import load_campaign
-from sandman.policy import Policy
-from sandman.runner import Runner, process_start
-from sandman.session import Sandbox, _as_policy
+from sandman.policy import Policy, enforce
 from sandman.settings import Settings
-from sandman.state import SessionState, StateStore
-from sandman.workspace import resolve_workspace
 
 
 def pool_key(workspace: Path, campaign: str, policy: Policy) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from sandman import protocol
+from sandman.core import protocol
 
 START_TIMEOUT_S = 30.0
 CANCEL_GRACE_S = 10.0
@@ -42,7 +42,7 @@ def _start_controller(path: Path) -> None:
     log = open(path.with_suffix(".log"), "ab")  # noqa: SIM115 - handed to the child
     with log:
         subprocess.Popen(
-            [sys.executable, "-m", "sandman.controller", "--socket", str(path)],
+            [sys.executable, "-m", "sandman.core.controller", "--socket", str(path)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -109,13 +109,13 @@ def run(
 ) -> tuple[int, dict[str, Any] | None, str | None]:
     """Run through the controller. Returns (exit code, result object, error message).
 
-    Output bound for a terminal is neutralized (``sandman.terminal``) unless ``raw``; pipes and
+    Output bound for a terminal is neutralized (``sandman.cli.terminal``) unless ``raw``; pipes and
     files get the bytes unchanged."""
     try:
         sock = connect()
     except ControllerUnavailable as exc:
         return 71, None, str(exc)
-    from sandman import terminal
+    from sandman.cli import terminal
 
     tty_out, tty_err = terminal.for_fd(1, raw), terminal.for_fd(2, raw)
     cancelled: list[int] = []

@@ -1,7 +1,7 @@
 """The ``sandman`` command line: a thin layer over the library. Every command that prints data
 takes ``--json``; user mistakes get one line and a distinct exit code, never a traceback.
 
-``run`` goes through the controller (see ``sandman.controller``) so that the CLI itself imports
+``run`` goes through the controller (see ``sandman.core.controller``) so that the CLI itself imports
 almost nothing; set SANDMAN_IN_PROCESS=1 to run everything in this process instead.
 """
 
@@ -33,7 +33,7 @@ def _scrubbed(message: str) -> str:
     if len(message) < 16:
         return message
     try:
-        from sandman.enforce import text_scrubber
+        from sandman.policy.enforce import text_scrubber
         from sandman.settings import Settings
 
         return text_scrubber(Settings.load())(message)
@@ -147,7 +147,7 @@ def run(
     if os.environ.get("SANDMAN_IN_PROCESS") == "1":
         code, result, error = _run_in_process(args, raw)
     else:
-        from sandman import client
+        from sandman.core import client
 
         code, result, error = client.run(args, raw=raw)
     if error is not None:
@@ -156,7 +156,7 @@ def run(
     elif result and result.get("cause") in ("timeout", "oom") and not json_out:
         _say(f"command ended by {result['cause']} after {result['duration_s']:.1f}s (exit {code})")
     if json_out and result is not None:
-        from sandman import client
+        from sandman.core import client
 
         if client.last_stdout != b"\n":  # the command's output did not end its line
             sys.stdout.write("\n")
@@ -165,8 +165,8 @@ def run(
 
 
 def _run_in_process(args: dict[str, Any], raw: bool = False) -> tuple[int, dict[str, Any] | None, str | None]:
-    from sandman.client import write_all
-    from sandman.terminal import for_fd, neutralize
+    from sandman.cli.terminal import for_fd, neutralize
+    from sandman.core.client import write_all
 
     held = {fd: for_fd(fd, raw) for fd in (1, 2)}
 
@@ -191,7 +191,7 @@ def _flush_held(held: dict[int, Any]) -> None:
     """Write what the terminal neutralizers still hold (an unfinished sequence), made inert."""
     import contextlib
 
-    from sandman.client import write_all
+    from sandman.core.client import write_all
 
     for fd, tty in held.items():
         if tty is not None:
@@ -202,9 +202,9 @@ def _flush_held(held: dict[int, Any]) -> None:
 def _run_in_process_with(
     args: dict[str, Any], sink: Callable[[int], Callable[[bytes], None]], progress: Callable[[str], None]
 ) -> tuple[int, dict[str, Any] | None, str | None]:
+    from sandman.core.runner import Runner
+    from sandman.core.workspace import resolve_workspace
     from sandman.policy import cli_size
-    from sandman.runner import Runner
-    from sandman.workspace import resolve_workspace
 
     try:
         runner = Runner(progress=progress)
@@ -248,16 +248,16 @@ def doctor(verify: bool, policy: str | None, workspace: Path | None, json_out: b
     With --verify, run the non-destructive escape battery inside a real sandbox (your engine, your
     kernel, your policy) and print probe, expected, observed and pass/fail for each, plus the
     engine and runc versions with a warning for a runc older than the fixes of known escapes."""
-    from sandman.doctor import as_json, run_checks
+    from sandman.cli.doctor import as_json, run_checks
     from sandman.settings import Settings
 
     try:
         settings = Settings.load()
         checks = run_checks(settings)
         if workspace is not None:
-            from sandman.doctor import workspace_checks
+            from sandman.cli.doctor import workspace_checks
+            from sandman.core.workspace import resolve_workspace
             from sandman.policy import effective_policy, named_policy_path
-            from sandman.workspace import resolve_workspace
 
             ws = resolve_workspace(workspace)
             operator = named_policy_path(policy) if policy else settings.default_policy
@@ -289,8 +289,8 @@ def _verify(settings: Any, policy: str | None) -> dict[str, Any]:
     import shutil
     import tempfile
 
-    from sandman.session import Sandbox
-    from sandman.verify import host_listener, host_secrets_from_env, run_battery, runc_warnings, runtime_versions
+    from sandman.core.session import Sandbox
+    from sandman.core.verify import host_listener, host_secrets_from_env, run_battery, runc_warnings, runtime_versions
 
     scratch = Path(tempfile.mkdtemp(prefix="sandman-verify-"))
     # A canary secret in this process's environment: the battery shows it never reaches the sandbox.
@@ -347,9 +347,9 @@ def image() -> None:
 @json_option
 def image_build(workspace: Path, campaign: str | None, rebuild: bool, base_only: bool, json_out: bool) -> None:
     """Build (or find cached) the image for a workspace's campaign."""
-    from sandman.image import Campaign, CampaignImage, load_campaign
-    from sandman.runner import Runner
-    from sandman.workspace import resolve_workspace
+    from sandman.backends.image import Campaign, CampaignImage, load_campaign
+    from sandman.core.runner import Runner
+    from sandman.core.workspace import resolve_workspace
 
     try:
         runner = Runner(progress=_progress)
@@ -370,7 +370,7 @@ def image_build(workspace: Path, campaign: str | None, rebuild: bool, base_only:
 @json_option
 def image_ls(json_out: bool) -> None:
     """List sandman's images (only those carrying io.sandman labels)."""
-    from sandman.runner import Runner
+    from sandman.core.runner import Runner
 
     try:
         rows = Runner().images().list_images()
@@ -389,7 +389,7 @@ def image_ls(json_out: bool) -> None:
 @json_option
 def image_prune(all_: bool, json_out: bool) -> None:
     """Remove stale sandman images (all but the newest of each). Never touches other images."""
-    from sandman.runner import Runner
+    from sandman.core.runner import Runner
 
     try:
         removed = Runner().images().prune(everything=all_)
@@ -422,8 +422,8 @@ def _since(text: str | None) -> float | None:
 
 def _reconcile_quietly() -> None:
     """Crash recovery on every session command: reap what a dead controller left behind."""
-    from sandman.reaper import reconcile
-    from sandman.runner import Runner
+    from sandman.core.reaper import reconcile
+    from sandman.core.runner import Runner
 
     runner = Runner()
     reconcile(runner.api, runner.state, runner.settings.runtime_dir)
@@ -444,7 +444,7 @@ def session_create(
     workspace: Path, campaign: str | None, policy: str | None, accept_campaign: bool, json_out: bool
 ) -> None:
     """Start a session; print its id. It lives until stopped or its idle/lifetime limit."""
-    from sandman.session import Sandbox
+    from sandman.core.session import Sandbox
 
     try:
         _reconcile_quietly()
@@ -496,9 +496,9 @@ def session_exec(
 
     Output written to a terminal has its control sequences made inert; --raw turns that off.
     """
-    from sandman.client import write_all
-    from sandman.session import ExecResult, Sandbox
-    from sandman.terminal import for_fd
+    from sandman.cli.terminal import for_fd
+    from sandman.core.client import write_all
+    from sandman.core.session import ExecResult, Sandbox
 
     held = {fd: for_fd(fd, raw or json_out) for fd in (1, 2)}
     try:
@@ -543,8 +543,8 @@ def session_shell(session_id: str, shell_cmd: str) -> None:
     import termios
     import tty
 
-    from sandman.client import write_all
-    from sandman.session import ExecResult, Sandbox
+    from sandman.core.client import write_all
+    from sandman.core.session import ExecResult, Sandbox
 
     if not sys.stdin.isatty():
         _fail(UsageError("session shell needs a terminal; use `sandman session exec ID -- CMD` from scripts"))
@@ -580,7 +580,7 @@ def session_shell(session_id: str, shell_cmd: str) -> None:
 @json_option
 def session_ls(all_: bool, json_out: bool) -> None:
     """List sessions (live ones unless --all)."""
-    from sandman.runner import Runner
+    from sandman.core.runner import Runner
 
     try:
         _reconcile_quietly()
@@ -603,7 +603,7 @@ def session_ls(all_: bool, json_out: bool) -> None:
 @json_option
 def session_logs(session_id: str, json_out: bool) -> None:
     """The session's events: creation, every exec and its cause, reports, refusals, stop."""
-    from sandman.runner import Runner
+    from sandman.core.runner import Runner
 
     try:
         events = Runner().state.events(session=session_id)
@@ -632,8 +632,8 @@ def _print_events(events: list[Any], json_out: bool) -> None:
 @json_option
 def session_stop(session_id: str | None, all_: bool, json_out: bool) -> None:
     """Stop a session (or --all): every process is killed at once, the container removed."""
-    from sandman.runner import Runner
-    from sandman.session import Sandbox
+    from sandman.core.runner import Runner
+    from sandman.core.session import Sandbox
 
     try:
         if not session_id and not all_:
@@ -686,8 +686,8 @@ def session_update(
     """Change a running session in place: CPU, memory or pids caps (docker update), or its
     policy (commands, environment, secrets, deny list apply from the next exec; changes that
     need a new container are refused by name)."""
+    from sandman.core.session import Sandbox
     from sandman.policy import cli_size
-    from sandman.session import Sandbox
 
     applied: dict[str, list[str]] = {}
     try:
@@ -725,7 +725,7 @@ def pool_start(workspace: Path, size: int, campaign: str | None, policy: str | N
     import subprocess
     import time
 
-    from sandman.pool import Pool
+    from sandman.core.pool import Pool
 
     if detach:
         args = (
@@ -779,11 +779,11 @@ def pool_start(workspace: Path, size: int, campaign: str | None, policy: str | N
 @json_option
 def pool_acquire(workspace: Path, campaign: str | None, policy: str | None, timeout: float, json_out: bool) -> None:
     """Take a ready sandbox out of the pool; it becomes an ordinary session (stop it when done)."""
-    from sandman.image import load_campaign
-    from sandman.pool import acquire, pool_key
-    from sandman.runner import Runner
-    from sandman.session import _as_policy
-    from sandman.workspace import resolve_workspace
+    from sandman.backends.image import load_campaign
+    from sandman.core.pool import acquire, pool_key
+    from sandman.core.runner import Runner
+    from sandman.core.session import _as_policy
+    from sandman.core.workspace import resolve_workspace
 
     try:
         runner = Runner()
@@ -808,9 +808,9 @@ def pool_stop(workspace: Path | None, json_out: bool) -> None:
     import signal
     import time
 
-    from sandman.runner import Runner
-    from sandman.session import Sandbox
-    from sandman.state import SessionState
+    from sandman.core.runner import Runner
+    from sandman.core.session import Sandbox
+    from sandman.core.state import SessionState
 
     try:
         runner = Runner()
@@ -862,8 +862,8 @@ def _pid_exists(pid: int) -> bool:
 @json_option
 def gc(json_out: bool) -> None:
     """Reconcile with the engine: reap orphaned containers and runtime dirs, mark lost sessions."""
-    from sandman.reaper import reconcile
-    from sandman.runner import Runner
+    from sandman.core.reaper import reconcile
+    from sandman.core.runner import Runner
 
     try:
         runner = Runner()
@@ -887,7 +887,7 @@ def gc(json_out: bool) -> None:
 @json_option
 def audit(session_id: str | None, since: str | None, json_out: bool) -> None:
     """The audit log: sessions, execs with their exit cause, refusals, violations. No secrets."""
-    from sandman.runner import Runner
+    from sandman.core.runner import Runner
 
     try:
         events = Runner().state.events(session=session_id, since=_since(since))
@@ -907,9 +907,9 @@ def policy_group() -> None:
 @json_option
 def policy_show(workspace: Path | None, policy: str | None, json_out: bool) -> None:
     """The effective policy, with the source of every value."""
+    from sandman.core.workspace import resolve_workspace
     from sandman.policy import effective_policy, flatten, named_policy_path
     from sandman.settings import Settings
-    from sandman.workspace import resolve_workspace
 
     try:
         settings = Settings.load()
@@ -919,7 +919,7 @@ def policy_show(workspace: Path | None, policy: str | None, json_out: bool) -> N
     except SandmanError as exc:
         _fail(exc)
     values = flatten(eff.policy.model_dump(mode="json"))
-    from sandman.enforce import landlock_abi
+    from sandman.policy.enforce import landlock_abi
 
     abi = landlock_abi()
     allowlist = (
@@ -968,8 +968,8 @@ def policy_check(file: Path, workspace: Path | None, json_out: bool) -> None:
         else:
             eff = effective_policy(resolved)
         if workspace is not None:
-            from sandman.doctor import workspace_checks
-            from sandman.workspace import resolve_workspace
+            from sandman.cli.doctor import workspace_checks
+            from sandman.core.workspace import resolve_workspace
 
             ws = resolve_workspace(workspace)
             pol = effective_policy(resolved if resolved.name != CAMPAIGN_POLICY.name else None, ws.path).policy
@@ -993,10 +993,10 @@ def policy_check(file: Path, workspace: Path | None, json_out: bool) -> None:
 @json_option
 def policy_explain(workspace: Path, policy: str | None, command: tuple[str, ...], json_out: bool) -> None:
     """Would COMMAND be allowed in WORKSPACE, and by which rule? Exit 0 allowed, 126 refused."""
-    from sandman.enforce import CommandRefused, check_argv
+    from sandman.core.workspace import resolve_workspace
     from sandman.policy import effective_policy, named_policy_path
+    from sandman.policy.enforce import CommandRefused, check_argv
     from sandman.settings import Settings
-    from sandman.workspace import resolve_workspace
 
     try:
         ws = resolve_workspace(workspace)
@@ -1023,7 +1023,7 @@ def scan(file: str, redact: bool, json_out: bool) -> None:
     """Look for leaked credentials in FILE (or - for stdin): known secrets from the settings, common
     credential patterns, and their base64, URL and hex encodings. Exit 1 when anything is found.
     Findings name the kind and a short fingerprint, never the value."""
-    from sandman.enforce import make_scrubber
+    from sandman.policy.enforce import make_scrubber
     from sandman.settings import Settings
 
     try:
@@ -1089,9 +1089,9 @@ def campaign_accept(workspace: Path, dry_run: bool, json_out: bool) -> None:
 
     The sandbox can write the workspace, so a changed image.toml or policy.toml is refused until
     the operator accepts it here (or with --accept-campaign)."""
-    from sandman import campaign
+    from sandman.core.workspace import resolve_workspace
+    from sandman.policy import campaign
     from sandman.settings import Settings
-    from sandman.workspace import resolve_workspace
 
     try:
         settings = Settings.load()
@@ -1104,7 +1104,7 @@ def campaign_accept(workspace: Path, dry_run: bool, json_out: bool) -> None:
     text = campaign.diff(before, now)
     if not dry_run and changed:
         campaign.record(settings.state_dir, ws.path, now)
-        from sandman.state import StateStore
+        from sandman.core.state import StateStore
 
         store = StateStore(settings.state_dir)
         store.audit(None, "campaign.accepted", workspace=str(ws.path), digest=now.digest[:16], files=sorted(now.files))
@@ -1147,7 +1147,7 @@ def inspect_workspace(workspace: Path, do_quarantine: bool, accept: bool, json_o
     import contextlib
     import time
 
-    from sandman import poison
+    from sandman.core import poison
     from sandman.errors import WorkspaceError
 
     ws = Path(os.path.abspath(workspace))
@@ -1155,9 +1155,9 @@ def inspect_workspace(workspace: Path, do_quarantine: bool, accept: bool, json_o
         _fail(WorkspaceError(f"workspace {str(workspace)!r} is not a directory: pass the project's directory"))
     findings = poison.scan_workspace(ws)
     if accept:
-        from sandman.enforce import _gate_key, accept_poison
+        from sandman.core.workspace import resolve_workspace
+        from sandman.policy.enforce import _gate_key, accept_poison
         from sandman.settings import Settings
-        from sandman.workspace import resolve_workspace
 
         try:
             accept_poison(Settings.load(), resolve_workspace(ws), [_gate_key(f) for f in findings])
@@ -1179,7 +1179,7 @@ def inspect_workspace(workspace: Path, do_quarantine: bool, accept: bool, json_o
             _fail(SandmanError(f"cannot quarantine into the state dir: {exc.strerror or exc}"))
         moved = {f.path: f.dest or "" for f in report.moved}
         with contextlib.suppress(Exception):
-            from sandman.state import StateStore
+            from sandman.core.state import StateStore
 
             store = StateStore(settings.state_dir)
             poison.audit(store, None, findings, report)

@@ -13,7 +13,7 @@ What counts as "in the history" is everything the agent can reach with git in th
 * the index of the repository and of each linked worktree (a staged ``.env`` that was never
   committed, ``git show :.env``).
 
-A blob is matched by the path it has in a tree (the deny and allow globs of ``sandman.paths``,
+A blob is matched by the path it has in a tree (the deny and allow globs of ``sandman.policy.paths``,
 against paths relative to the repository root). Not matched: blobs in no commit's tree (``git
 add`` then ``git reset`` leaves one behind; counted in ``HistoryScan.blobs_outside_commits``),
 trees no commit holds (``git write-tree``) and tags pointing straight at a blob; a blob whose
@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from sandman import gitjail
-from sandman.paths import DEFAULT_ALLOW, DEFAULT_DENY, denied_by
+from sandman.policy.paths import DEFAULT_ALLOW, DEFAULT_DENY, denied_by
+from sandman.upcall import gitjail
 
 CACHE_VERSION = 1
 DEFAULT_MAX_BLOB = 1 << 20
@@ -250,7 +250,7 @@ class _Git:
 
 
 def _last_part(glob: str) -> str | None:
-    """The pattern a glob's last path component must match (by sandman.paths' rules every glob
+    """The pattern a glob's last path component must match (by sandman.policy.paths' rules every glob
     ends with one, which matches the path's last component), or None for a ``**`` ending, which
     matches any name."""
     last = glob.strip("/").rsplit("/", 1)[-1]

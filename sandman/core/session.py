@@ -23,18 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sandman import bwrap, enforce, seccomp
-from sandman.causes import CgroupWatch, OutputCap
-from sandman.engine import ContainerSpec, container_kwargs, engine_retry, state_id_for
-from sandman.errors import SandboxError, SandmanError, UsageError
-from sandman.files import Files
-from sandman.helpers import bare_repository
-from sandman.paths import WorkspaceScanner
-from sandman.policy import Policy
-from sandman.protocol import HEADER, recv_exact
-from sandman.quota import DiskWatch
-from sandman.relay import RelayContext, RelayHost, upcall_socket
-from sandman.runner import (
+from sandman.backends.causes import CgroupWatch, OutputCap
+from sandman.backends.docker import ContainerSpec, container_kwargs, engine_retry, state_id_for
+from sandman.core import bwrap
+from sandman.core.files import Files
+from sandman.core.protocol import HEADER, recv_exact
+from sandman.core.quota import DiskWatch
+from sandman.core.runner import (
     CONTROL_DIR,
     SUPERVISOR,
     TINI,
@@ -46,10 +41,15 @@ from sandman.runner import (
     process_start,
     trusted_dir,
 )
-from sandman.scrub import Scrubber
+from sandman.core.state import SessionRecord, SessionState, StateStore
+from sandman.core.workspace import Workspace, resolve_workspace
+from sandman.errors import SandboxError, SandmanError, UsageError
+from sandman.policy import Policy, enforce, seccomp
+from sandman.policy.paths import WorkspaceScanner
+from sandman.secrets.scrub import Scrubber
 from sandman.settings import Settings
-from sandman.state import SessionRecord, SessionState, StateStore
-from sandman.workspace import Workspace, resolve_workspace
+from sandman.upcall.helpers import bare_repository
+from sandman.upcall.relay import RelayContext, RelayHost, upcall_socket
 
 if TYPE_CHECKING:
     import docker
@@ -190,7 +190,7 @@ class Sandbox:
         return self._runner.api
 
     def _create(self, campaign_name: str | None, owned: bool, kind: str, labels: dict[str, str]) -> SessionRecord:
-        from sandman.image import load_campaign
+        from sandman.backends.image import load_campaign
 
         camp = load_campaign(self.workspace.path, campaign_name)
         image = self._runner.images().ensure(camp, self._runner.progress)
@@ -371,7 +371,7 @@ class Sandbox:
         if owned:
             RelayHost.shared().start(self._relay_context(rec))
         else:
-            from sandman import client
+            from sandman.core import client
 
             client.request({"op": "relay.start", "session_id": rec.id})
 
@@ -379,8 +379,8 @@ class Sandbox:
         return self.settings.state_dir / "baselines" / f"{session_id}.json"
 
     def _save_baseline(self, session_id: str) -> None:
-        """What the workspace held for the host's tools before the agent ran (sandman.poison)."""
-        from sandman import poison
+        """What the workspace held for the host's tools before the agent ran (sandman.core.poison)."""
+        from sandman.core import poison
 
         path = self._baseline_path(session_id)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -406,7 +406,7 @@ class Sandbox:
 
     def _poison_check(self, rec: SessionRecord) -> list[str]:
         """The session is over: report (or quarantine) what it left for the host's own tools."""
-        from sandman import poison
+        from sandman.core import poison
 
         path = self._baseline_path(rec.id)
         try:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sandman.engine import LABEL_SESSION, LABEL_STATE, state_id_for
-from sandman.state import SessionState, StateStore
+from sandman.backends.docker import LABEL_SESSION, LABEL_STATE, state_id_for
+from sandman.core.state import SessionState, StateStore
 
 if TYPE_CHECKING:
     import docker
@@ -38,7 +38,7 @@ class ReconcileReport:
 
 
 def reconcile(api: docker.APIClient, store: StateStore, runtime_root: Path) -> ReconcileReport:
-    from sandman.session import owner_alive
+    from sandman.core.session import owner_alive
 
     report = ReconcileReport()
     mine = f"{LABEL_STATE}={state_id_for(store.path.parent)}"

@@ -1,7 +1,7 @@
 """The controller: a per-user background process that keeps the engine connection, settings and
 image cache warm, so a CLI call costs one container's life and not Python's imports.
 
-Started on demand by the CLI (``python -m sandman.controller``), one per code version and
+Started on demand by the CLI (``python -m sandman.core.controller``), one per code version and
 environment, listening on a Unix socket in the runtime dir (0700). It exits after an idle period.
 Every request runs in its own thread; a client that disconnects cancels its sandbox.
 """
@@ -25,12 +25,12 @@ from typing import Any
 
 from loguru import logger
 
-from sandman import enforce, protocol
+from sandman.core import protocol
+from sandman.core.runner import Cancel, Runner
+from sandman.core.workspace import resolve_workspace
 from sandman.errors import SandmanError, UsageError
-from sandman.policy import cli_size
-from sandman.runner import Cancel, Runner
+from sandman.policy import cli_size, enforce
 from sandman.settings import Settings
-from sandman.workspace import resolve_workspace
 
 DEFAULT_IDLE_S = 900.0
 
@@ -55,7 +55,7 @@ class _State:
             self.last = time.monotonic()
 
     def idle_for(self) -> float:
-        from sandman.relay import RelayHost
+        from sandman.upcall.relay import RelayHost
 
         host = RelayHost._instance
         with self.lock:
@@ -98,8 +98,8 @@ class Handler(socketserver.StreamRequestHandler):
 
     def _relay(self, op: str, request: dict[str, Any]) -> None:
         """Host a CLI-created session's upcall relay (the CLI process is gone long before it ends)."""
-        from sandman.relay import RelayHost
-        from sandman.session import Sandbox
+        from sandman.core.session import Sandbox
+        from sandman.upcall.relay import RelayHost
 
         session_id = str(request.get("session_id"))
         try:
@@ -107,8 +107,8 @@ class Handler(socketserver.StreamRequestHandler):
                 RelayHost.stop_if_running(session_id)
                 protocol.send_json(self.request, protocol.RESULT, {"stopped": session_id})
                 return
-            from sandman.session import SessionGone
-            from sandman.state import SessionState, StateStore
+            from sandman.core.session import SessionGone
+            from sandman.core.state import SessionState, StateStore
 
             settings = Settings.load()
             store = StateStore(settings.state_dir)
@@ -222,8 +222,8 @@ class Server(socketserver.ThreadingUnixStreamServer):
 
 def _stop_ended_relays() -> None:
     """Relays outlive nothing: a relay whose session has ended is stopped."""
-    from sandman.relay import RelayHost
-    from sandman.state import SessionState, StateStore
+    from sandman.core.state import SessionState, StateStore
+    from sandman.upcall.relay import RelayHost
 
     host = RelayHost._instance
     if host is None or not host.relays:
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     path = ns.socket or protocol.socket_path()
     _log_to_rotating_file(path.with_suffix(".log"))
-    from sandman.relay import raise_nofile_limit
+    from sandman.upcall.relay import raise_nofile_limit
 
     raise_nofile_limit()  # a session's flood is its relay's problem; this process keeps descriptors
     return serve(path, ns.idle)

@@ -29,10 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sandman.core.workspace import Workspace
 from sandman.errors import SandmanError, UsageError, WorkspaceError
-from sandman.paths import PathDenied, denied_by
 from sandman.policy import Policy
-from sandman.workspace import Workspace
+from sandman.policy.paths import PathDenied, denied_by
 
 MAX_READ = 64 << 20
 

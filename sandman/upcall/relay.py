@@ -90,8 +90,12 @@ from typing import Any
 
 from loguru import logger
 
+from sandman.core.state import KEPT_EVENTS, StateStore, cut, digest
+from sandman.core.workspace import Workspace
 from sandman.errors import SandboxError
-from sandman.helpers import (
+from sandman.policy import Policy
+from sandman.settings import Settings
+from sandman.upcall.helpers import (
     HelperContext,
     HelperError,
     HelperResult,
@@ -99,10 +103,6 @@ from sandman.helpers import (
     available_helpers,
     kill_live_groups,
 )
-from sandman.policy import Policy
-from sandman.settings import Settings
-from sandman.state import KEPT_EVENTS, StateStore, cut, digest
-from sandman.workspace import Workspace
 
 UPCALL_DIR = "upcall"  # in the session's runtime dir; bound (as a directory) into both layers
 
@@ -337,13 +337,13 @@ class Auditor:
 # -- credential checks of large texts: a process a deadline can kill -----------------------------
 
 
-_BOOT = "import sys; from sandman.relay import _main; sys.exit(_main(sys.argv[1]))"
+_BOOT = "import sys; from sandman.upcall.relay import _main; sys.exit(_main(sys.argv[1]))"
 _LEN = struct.Struct(">I")
 
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("MALLOC_ARENA_MAX", "2")  # threads without an arena each: less memory per relay
     return env
@@ -354,7 +354,7 @@ def _secrets(settings: Settings) -> dict[str, str]:
 
 
 def _make_scrubber(secrets: dict[str, str], key: bytes) -> Any:
-    from sandman.scrub import EXAMPLE_KEYS, Scrubber
+    from sandman.secrets.scrub import EXAMPLE_KEYS, Scrubber
 
     # make_scrubber()'s scrubber, with a key of this relay's: the worker's fingerprints match ours.
     return Scrubber(secrets, patterns=True, allowlist=EXAMPLE_KEYS, fingerprint_key=key)

@@ -25,10 +25,10 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from sandman.core.workspace import Workspace
 from sandman.errors import ConfigError
 from sandman.policy import Policy
 from sandman.settings import Settings
-from sandman.workspace import Workspace
 
 MAX_OUTPUT = 1 << 20  # per stream
 HELPER_TIMEOUT_S = 90.0
@@ -253,7 +253,7 @@ class NoopHelper(Helper):
 # A branch name, matched against the whole string (re.fullmatch; no "$" that lets a newline through).
 _REF = re.compile(r"(?!.*\.\.)(?!.*@\{)(?!/)(?!.*//)(?!.*\.lock\Z)[A-Za-z0-9._/-]{1,200}(?<![./])")
 # For the host-side git (remote fetch, push) that reads only the controller's bare repository; the
-# git that reads the workspace runs in sandman.gitjail with its own, stricter set.
+# git that reads the workspace runs in sandman.upcall.gitjail with its own, stricter set.
 HARDENED_GIT = [
     "-c", "core.hooksPath=/dev/null",
     "-c", "core.fsmonitor=false",
@@ -283,7 +283,7 @@ class GitPushHelper(Helper):
     """Push the workspace's branch to the allowed remote under the branch prefix; never force.
 
     The host never runs git on the agent's ``.git``: the branch is fetched into the session's
-    controller-owned bare repository by a git jailed with bubblewrap (``sandman.gitjail``: it sees
+    controller-owned bare repository by a git jailed with bubblewrap (``sandman.upcall.gitjail``: it sees
     the workspace's ``.git``, read-only, and the bare repository, nothing else of the host). A
     ``.git`` that is not a plain directory, or that borrows refs or objects from elsewhere
     (``commondir``, alternates), is refused up front. Then the remote's branches are fetched into
@@ -319,8 +319,8 @@ class GitPushHelper(Helper):
             self._busy.release()
 
     async def _run(self, args: list[str], stdin: str | None, ctx: HelperContext) -> HelperResult:
-        from sandman import gitjail
-        from sandman.paths import denied_by
+        from sandman.policy.paths import denied_by
+        from sandman.upcall import gitjail
 
         cfg = self.config
         assert isinstance(cfg, GitPushConfig)
@@ -408,7 +408,7 @@ class GitPushHelper(Helper):
 
     def _shown(self, text: str) -> str:
         """git's text on its way to the agent: the token removed, no control characters, capped."""
-        from sandman import gitjail
+        from sandman.upcall import gitjail
 
         cfg = self.config
         assert isinstance(cfg, GitPushConfig)
@@ -425,7 +425,7 @@ class GitPushHelper(Helper):
     @staticmethod
     def session_policy(settings: Settings, session_id: str) -> Policy | None:
         """The effective policy a session was recorded with, or None."""
-        from sandman.state import StateStore
+        from sandman.core.state import StateStore
 
         try:
             store = StateStore(settings.state_dir)
@@ -443,7 +443,7 @@ class GitPushHelper(Helper):
     def pushed_branches(settings: Settings, session_id: str) -> set[str] | None:
         """The remote branches this session pushed (audit events ``git.pushed``); None when the
         record cannot be read."""
-        from sandman.state import StateStore
+        from sandman.core.state import StateStore
 
         try:
             store = StateStore(settings.state_dir)
@@ -554,7 +554,7 @@ def bare_repository(state_dir: Path, session_id: str) -> Path:
 def _current_branch(git_dir: Path) -> str:
     """The branch ``.git/HEAD`` names: read without following a symlink, without blocking on a FIFO
     or opening a device, at most 4 KiB. Blocking: call it off the event loop."""
-    from sandman import gitjail
+    from sandman.upcall import gitjail
 
     try:
         fd = os.open(git_dir, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -596,7 +596,7 @@ BUILTINS: dict[str, type[Helper]] = {h.name: h for h in (NoopHelper, GitPushHelp
 
 def _register_gh() -> None:
     with contextlib.suppress(ImportError):
-        from sandman.ghhelper import GhHelper
+        from sandman.upcall.ghhelper import GhHelper
 
         BUILTINS[GhHelper.name] = GhHelper
 

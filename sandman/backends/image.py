@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sandman import __version__, resources
-from sandman.engine import LABEL_CAMPAIGN, LABEL_KIND, LABEL_VERSION, engine_retry
+from sandman.backends.docker import LABEL_CAMPAIGN, LABEL_KIND, LABEL_VERSION, engine_retry
+from sandman.core.workspace import campaign_slug
 from sandman.errors import CampaignError, ConfigError, ImageError
-from sandman.workspace import campaign_slug
 
 if TYPE_CHECKING:
     import docker
@@ -160,7 +160,7 @@ class Campaign:
 def load_campaign(workspace: Path, name: str | None = None) -> Campaign:
     """The campaign for ``workspace``: ``.sandman/image.toml``, or ``.sandman/campaigns/NAME.toml``,
     read from the snapshot the campaign check accepted (never re-read by path: see campaign.py)."""
-    from sandman import campaign
+    from sandman.policy import campaign
 
     sandman_dir = workspace / ".sandman"
     if name is None:

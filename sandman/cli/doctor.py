@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sandman import bwrap, resources
+from sandman import resources
+from sandman.core import bwrap
 from sandman.errors import SandmanError
 from sandman.settings import Settings
 
@@ -34,8 +35,8 @@ def _cgroup_version() -> str:
 
 
 def run_checks(settings: Settings) -> list[Check]:
-    from sandman.engine import connect
-    from sandman.runner import Runner
+    from sandman.backends.docker import connect
+    from sandman.core.runner import Runner
 
     checks: list[Check] = []
     try:
@@ -137,8 +138,8 @@ def run_checks(settings: Settings) -> list[Check]:
 
 def _wall_checks(workspace: Path | None = None) -> list[Check]:
     """Landlock (the command allowlist), the disk watchdog, and the host git jail's bubblewrap."""
-    from sandman import quota
-    from sandman.enforce import landlock_abi
+    from sandman.core import quota
+    from sandman.policy.enforce import landlock_abi
 
     abi = landlock_abi()
     checks = [
@@ -182,8 +183,8 @@ def _probe(runner: Any, image: str) -> Check:
     import os
     import tempfile
 
+    from sandman.core.workspace import resolve_workspace
     from sandman.policy import load_policy
-    from sandman.workspace import resolve_workspace
 
     with tempfile.TemporaryDirectory(prefix="sandman-doctor-") as tmp:
         uid = os.geteuid() or 65534
@@ -228,7 +229,7 @@ def as_json(checks: list[Check]) -> dict[str, Any]:
 def workspace_checks(settings: Settings, workspace: Path, policy: Any) -> list[Check]:
     """What this workspace holds that a sandbox start would warn about or refuse: deny-listed
     files in its git history (``filesystem.git_history``), and the disk quota's mechanism."""
-    from sandman import githistory
+    from sandman.secrets import githistory
 
     fs = policy.filesystem
     checks = [c for c in _wall_checks(workspace) if c.name == "disk quota"]

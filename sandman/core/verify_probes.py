@@ -1,6 +1,6 @@
-"""The in-sandbox half of ``sandman.verify``: escape probes, each with a positive control.
+"""The in-sandbox half of ``sandman.core.verify``: escape probes, each with a positive control.
 
-This file is never imported on the host: ``sandman.verify`` sends its source on the stdin of
+This file is never imported on the host: ``sandman.core.verify`` sends its source on the stdin of
 ``python3 -I -S -c BOOT`` inside a sandbox session (both layers), preceded by one JSON line of
 parameters (the host listener's port, the host workspace path, the host secrets to look for).
 Host secrets never enter the sandbox: only their lengths and salted SHA-256 digests travel (an

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from sandman.errors import SandmanError
-from sandman.gitjail import drain
+from sandman.upcall.gitjail import drain
 
 FlagValue = bool | int | str | tuple[str, ...]
 FlagKind = Literal["bool", "int", "string", "csv", "forbidden"]

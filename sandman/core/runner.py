@@ -25,17 +25,18 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from sandman import bwrap, enforce, resources, seccomp
-from sandman.causes import ENOSPC_TEXT, CgroupWatch, Counters, OutputCap
-from sandman.engine import ContainerSpec, connect, container_kwargs, engine_retry, state_id_for
+from sandman import resources
+from sandman.backends.causes import ENOSPC_TEXT, CgroupWatch, Counters, OutputCap
+from sandman.backends.docker import ContainerSpec, connect, container_kwargs, engine_retry, state_id_for
+from sandman.backends.image import ImageManager, Progress, load_campaign
+from sandman.core import bwrap
+from sandman.core.quota import DiskWatch
+from sandman.core.state import SessionRecord, SessionState, StateStore
+from sandman.core.workspace import Workspace, resolve_workspace
 from sandman.errors import SandboxError, SandmanError, UsageError, WorkspaceError
-from sandman.image import ImageManager, Progress, load_campaign
-from sandman.policy import Policy, effective_policy
-from sandman.quota import DiskWatch
-from sandman.relay import UPCALL_DIR, RelayContext, RelayHost, upcall_socket
+from sandman.policy import Policy, effective_policy, enforce, seccomp
 from sandman.settings import Settings
-from sandman.state import SessionRecord, SessionState, StateStore
-from sandman.workspace import Workspace, resolve_workspace
+from sandman.upcall.relay import UPCALL_DIR, RelayContext, RelayHost, upcall_socket
 
 if TYPE_CHECKING:
     import docker
@@ -52,7 +53,7 @@ class ExitCause(StrEnum):
     OOM = "oom"
     PIDS_LIMIT = "pids-limit"
     DISK_FULL = "disk-full"
-    DISK_QUOTA = "disk-quota"  # resources.workspace_quota or host_reserve (sandman.quota)
+    DISK_QUOTA = "disk-quota"  # resources.workspace_quota or host_reserve (sandman.core.quota)
     KILLED = "killed"
     ERROR = "error"
 
@@ -260,7 +261,7 @@ class Runner:
 
     def check_campaign(self, workspace: Path, accept: bool = False) -> None:
         """Refuse a campaign (``.sandman/``) the operator has not accepted; record first use."""
-        from sandman import campaign
+        from sandman.policy import campaign
 
         verdict, snap = campaign.check(self.settings.state_dir, workspace, accept=accept)
         if verdict != "same":
@@ -332,7 +333,7 @@ class Runner:
         self.ensure_probe(image, ws, policy)
         if timeout is None:
             timeout = policy.resources.exec_timeout_s
-        from sandman import poison
+        from sandman.core import poison
 
         baseline = poison.take_baseline(ws.path)
         enforce.poison_gate(self.settings, ws, baseline)

@@ -1,4 +1,4 @@
-"""The ``gh`` upcall helper: gh-restricted (sandman.ghrestricted) behind the relay.
+"""The ``gh`` upcall helper: gh-restricted (sandman.upcall.ghrestricted) behind the relay.
 
 The sandbox's ``gh`` shim sends its argv here; gh-restricted decides (reads from a fixed list,
 draft PRs on allowed repos, edits and comments only on PRs this session created) and runs the
@@ -14,8 +14,16 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from sandman.ghrestricted import GhConfig, GhError, GhRefused, evaluate, execute
-from sandman.helpers import GitPushConfig, GitPushHelper, Helper, HelperContext, HelperError, HelperResult, _Config
+from sandman.upcall.ghrestricted import GhConfig, GhError, GhRefused, evaluate, execute
+from sandman.upcall.helpers import (
+    GitPushConfig,
+    GitPushHelper,
+    Helper,
+    HelperContext,
+    HelperError,
+    HelperResult,
+    _Config,
+)
 
 
 class GhHelperConfig(_Config):

@@ -31,11 +31,11 @@ from pydantic import (
 )
 
 from sandman import resources
-from sandman.commands import DEFAULT_COMMANDS, CommandsPolicy
-from sandman.envpolicy import EnvironmentPolicy
-from sandman.envpolicy import validate_policy as validate_env_policy
 from sandman.errors import ConfigError, UsageError
-from sandman.paths import DEFAULT_ALLOW, DEFAULT_DENY, DEFAULT_PROTECTED
+from sandman.policy.commands import DEFAULT_COMMANDS, CommandsPolicy
+from sandman.policy.environment import EnvironmentPolicy
+from sandman.policy.environment import validate_policy as validate_env_policy
+from sandman.policy.paths import DEFAULT_ALLOW, DEFAULT_DENY, DEFAULT_PROTECTED
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -99,7 +99,7 @@ class Resources(_Strict):
     @field_validator("host_reserve", mode="before")
     @classmethod
     def _reserve(cls, value: object) -> str:
-        from sandman.quota import parse_reserve
+        from sandman.core.quota import parse_reserve
 
         text = str(value) if isinstance(value, int | str) and not isinstance(value, bool) else None
         if text is None:
@@ -145,7 +145,7 @@ class FilesystemPolicy(_Strict):
     on_poison: Literal["report", "quarantine"] = Field(
         default="report",
         description="after a session, what the agent left that makes the host user's git, editor or "
-        "shell run code (sandman.poison): report it, or also move the flagged files to "
+        "shell run code (sandman.core.poison): report it, or also move the flagged files to "
         "<state_dir>/quarantine/<session>",
     )
 
@@ -356,7 +356,7 @@ def _loosening(key: str, op: Policy, cp: Policy) -> str | None:
     section = key.split(".")[0]
     old, new = _at(op, key), _at(cp, key)
     if key == "resources.host_reserve":
-        from sandman.quota import parse_reserve
+        from sandman.core.quota import parse_reserve
 
         (ob, of), (nb, nf) = parse_reserve(old), parse_reserve(new)
         return None if nb >= ob and nf >= of else f"operator: {old}, campaign: {new} (a smaller reserve)"
@@ -415,7 +415,7 @@ def effective_policy(operator: Path | None = None, workspace: Path | None = None
     policy = op
     campaign_text = None
     if workspace is not None:
-        from sandman import campaign
+        from sandman.policy import campaign
 
         campaign_text = campaign.read(workspace, "policy.toml")
     if campaign_path is not None and campaign_text is not None:
