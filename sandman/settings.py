@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -52,6 +52,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
 
+    backend: str = Field(
+        default="docker",
+        description="what runs layer 1: docker, gvisor, podman, podman-rootless or local (see `sandman backends`)",
+    )
     docker_host: str | None = Field(
         default=None, description="Docker engine URL; unset means DOCKER_HOST or the local socket"
     )
@@ -115,6 +119,15 @@ class Settings(BaseSettings):
     audit_retention_days: float = Field(default=90.0, gt=0, description="audit records older than this are deleted")
     log_rotation_bytes: int = Field(default=10 << 20, ge=1 << 16, description="a log file rotates at this size")
     log_retention_files: int = Field(default=3, ge=1, description="rotated log files kept")
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        from sandman.backends import REGISTRY
+
+        if v not in REGISTRY:
+            raise ValueError(f"unknown backend {v!r}: choose one of {', '.join(REGISTRY)}")
+        return v
 
     @classmethod
     def settings_customise_sources(

@@ -123,7 +123,7 @@ def bench_teardown(env: dict[str, str], ws: Path, runs: int) -> dict[str, object
             time.sleep(0.01)
         session = [
             c
-            for c in api.containers(filters={"label": "io.sandman.core.session"})
+            for c in api.containers(filters={"label": "io.sandman.session"})
             if any(m.get("Source") == str(ws) for m in c["Mounts"])
         ]
         t0 = time.perf_counter()

@@ -57,7 +57,7 @@ def main() -> int:
     owner.send_signal(signal.SIGKILL)
     owner.wait()
     api = docker.APIClient(version="auto")
-    label = {"label": f"io.sandman.core.session={session_id}"}
+    label = {"label": f"io.sandman.session={session_id}"}
     n_left = len(api.containers(all=True, filters=label))
     print(f"killed the owner with SIGKILL mid-exec; containers left: {n_left}")
     gc = subprocess.run([sys.executable, "-m", "sandman", "gc", "--json"], capture_output=True, text=True)

@@ -121,7 +121,7 @@ def sandman(
 
 
 def sandman_containers(engine: object, session: str | None = None) -> list[dict[str, object]]:
-    label = "io.sandman.core.session" + (f"={session}" if session else "")
+    label = "io.sandman.session" + (f"={session}" if session else "")
     return engine.containers(all=True, filters={"label": label})  # type: ignore[attr-defined,no-any-return]
 
 
@@ -130,7 +130,7 @@ def workspace_containers(engine: object, workspace: Path, *, all_: bool = True) 
     when other tests run sandboxes at the same time."""
     return [
         c
-        for c in engine.containers(all=all_, filters={"label": "io.sandman.core.session"})  # type: ignore[attr-defined]
+        for c in engine.containers(all=all_, filters={"label": "io.sandman.session"})  # type: ignore[attr-defined]
         if any(m.get("Source") == str(workspace) for m in c.get("Mounts") or [])
     ]
 

@@ -7,73 +7,38 @@ tests pin its exact output and the integration tests check ``docker inspect`` of
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
-from sandman import __version__
+from sandman.backends.base import (
+    CONTROL_DIR_IN_CONTAINER,
+    LABEL_BACKEND,
+    LABEL_SESSION,
+    LABEL_STATE,
+    RUNTIME_DIR_IN_CONTAINER,
+    TRUSTED_DIR_IN_CONTAINER,
+    WALL_BUBBLEWRAP,
+    WALL_CONTAINER,
+    Availability,
+    Backend,
+    Capabilities,
+    ContainerSpec,
+    Frames,
+    Listed,
+    Status,
+    labels_for,
+)
 from sandman.core.bwrap import HOME, SANDBOX_PATH, WORKSPACE
-from sandman.errors import EngineUnavailable
-from sandman.policy import Resources, Runtime
+from sandman.errors import EngineUnavailable, SandboxError, UsageError
 
 if TYPE_CHECKING:
     import docker
 
-LABEL_SESSION = "io.sandman.core.session"
-LABEL_CAMPAIGN = "io.sandman.policy.campaign"
-LABEL_VERSION = "io.sandman.version"
-LABEL_KIND = "io.sandman.kind"
-# Which state store owns the container: reconcile only ever reaps its own store's containers.
-LABEL_STATE = "io.sandman.core.state"
-RUNTIME_DIR_IN_CONTAINER = "/run/sandman"
-CONTROL_DIR_IN_CONTAINER = "/run/sandman/control"  # the one runtime subdir the container writes
-TRUSTED_DIR_IN_CONTAINER = "/usr/lib/sandman"  # supervisor, launcher, exec shim: sandman's, read-only
 LOG_MAX_SIZE = "10m"
 LOG_MAX_FILE = "2"
-
-
-@dataclass(frozen=True)
-class ContainerSpec:
-    """Everything layer 1 needs to know about one sandbox container."""
-
-    image: str
-    command: Sequence[str]
-    session_id: str
-    campaign: str
-    workspace: str  # host path, already validated and resolved
-    runtime_dir: str  # host path of this session's runtime dir
-    uid: int
-    gid: int
-    resources: Resources
-    seccomp_profile: str  # the JSON text of policies/seccomp/sandman.json
-    runtime: Runtime = Runtime.RUNC
-    env: Mapping[str, str] = field(default_factory=dict)
-    state_id: str = ""
-    kind: str = "sandbox"
-    extra_mounts: Sequence[tuple[str, str, bool]] = ()  # (host source, target, read-only)
-    extra_labels: Mapping[str, str] = field(default_factory=dict)  # e.g. testcontainers' session label
-    # Host dir of sandman's in-container programs, bound read-only over the image's copy: what runs
-    # in layer 1 and starts layer 2 is never the campaign image's to replace.
-    trusted_dir: str | None = None
-
-
-def state_id_for(state_dir: os.PathLike[str] | str) -> str:
-    import hashlib
-
-    return hashlib.sha256(os.path.realpath(state_dir).encode()).hexdigest()[:12]
-
-
-def labels_for(session_id: str, campaign: str, kind: str = "sandbox", state_id: str = "") -> dict[str, str]:
-    return {
-        LABEL_SESSION: session_id,
-        LABEL_CAMPAIGN: campaign,
-        LABEL_VERSION: __version__,
-        LABEL_KIND: kind,
-        LABEL_STATE: state_id,
-    }
 
 
 def container_kwargs(spec: ContainerSpec) -> dict[str, Any]:
@@ -190,3 +155,182 @@ def connect(base_url: str, timeout_s: float = 60.0) -> docker.APIClient:
     except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
         raise EngineUnavailable(start_hint(base_url)) from exc
     return client
+
+
+def _refused(exc: Exception) -> SandboxError:
+    explanation = getattr(exc, "explanation", None)
+    return SandboxError(f"the engine refused the sandbox container: {explanation or exc}")
+
+
+class DockerBackend(Backend):
+    """Docker with its default runtime (runc): a hardened container, bubblewrap inside."""
+
+    name = "docker"
+    summary = "Docker engine, runc: hardened container + bubblewrap inside"
+    WALLS = (WALL_CONTAINER, WALL_BUBBLEWRAP)
+
+    def __init__(self, settings: Any, api: docker.APIClient | None = None) -> None:
+        super().__init__(settings)
+        self._api = api
+
+    # -- connection --------------------------------------------------------------------------
+    def base_url(self) -> str:
+        url: str = self.settings.docker_base_url()
+        return url
+
+    @property
+    def api(self) -> docker.APIClient:
+        if self._api is None:
+            self._api = connect(self.base_url(), self.settings.engine_timeout_s)
+        return self._api
+
+    @classmethod
+    def availability(cls, settings: Any) -> Availability:
+        backend = cls(settings)
+        try:
+            version = backend.api.version()
+        except EngineUnavailable as exc:
+            return Availability(False, str(exc).split(":", 1)[0], str(exc).split(": ", 1)[-1])
+        return backend._check(version)
+
+    def _check(self, version: dict[str, Any]) -> Availability:
+        return Availability(True, detail=f"Docker {version.get('Version')} at {self.base_url()}")
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(walls=self.WALLS)
+
+    def versions(self) -> dict[str, Any]:
+        info = self.api.info()
+        version = self.api.version()
+        return {
+            "backend": self.name,
+            "engine": version.get("Version"),
+            "api": getattr(self.api, "api_version", None),
+            "runtime": self.runtime_name(),
+            "runtimes": sorted((info.get("Runtimes") or {}).keys()),
+            "kernel": info.get("KernelVersion"),
+            "cgroup": info.get("CgroupVersion"),
+        }
+
+    def runtime_name(self) -> str:
+        return "runc"
+
+    def host_addresses(self) -> list[str]:
+        import docker.errors
+
+        try:
+            net = self.api.inspect_network("bridge")
+        except docker.errors.APIError:
+            return []
+        return [c["Gateway"] for c in (net.get("IPAM") or {}).get("Config") or [] if c.get("Gateway")]
+
+    # -- images ------------------------------------------------------------------------------
+    def images(self) -> Any:
+        from sandman.backends.image import ImageManager
+
+        s = self.settings
+        return ImageManager(self.api, s.base_image, s.offline_base_image, s.state_dir)
+
+    def image_id(self, image: str) -> str:
+        image_id: str = engine_retry(self.api.inspect_image)(image)["Id"]
+        return image_id
+
+    # -- one sandbox -------------------------------------------------------------------------
+    def kwargs(self, spec: ContainerSpec) -> dict[str, Any]:
+        """The engine's create arguments: ``container_kwargs`` plus this backend's label."""
+        kwargs = container_kwargs(spec)
+        kwargs["labels"][LABEL_BACKEND] = self.name
+        return kwargs
+
+    def create(self, spec: ContainerSpec) -> str:
+        import docker.errors
+
+        try:
+            cid: str = engine_retry(self.api.create_container)(**self.kwargs(spec))["Id"]
+        except docker.errors.APIError as exc:
+            raise _refused(exc) from None
+        return cid
+
+    def attach(self, handle: str) -> Frames:
+        stream: Frames = self.api.attach(handle, stdout=True, stderr=True, stream=True, logs=True, demux=True)
+        return stream
+
+    def start(self, handle: str) -> None:
+        import docker.errors
+
+        try:
+            engine_retry(self.api.start)(handle)
+        except docker.errors.APIError as exc:
+            raise _refused(exc) from None
+
+    def wait(self, handle: str) -> int:
+        return int(self.api.wait(handle)["StatusCode"])
+
+    def status(self, handle: str) -> Status:
+        import docker.errors
+
+        try:
+            state = self.api.inspect_container(handle)["State"]
+        except docker.errors.NotFound:
+            return Status(running=False)
+        return Status(
+            running=bool(state.get("Running")),
+            exit_code=state.get("ExitCode"),
+            oom_killed=bool(state.get("OOMKilled")),
+            pid=int(state.get("Pid") or 0),
+        )
+
+    def logs(self, handle: str, tail: int = 20) -> str:
+        data: bytes = self.api.logs(handle, stdout=True, stderr=True, tail=tail)
+        return data.decode(errors="replace")
+
+    def kill(self, handle: str) -> None:
+        import docker.errors
+
+        with contextlib.suppress(docker.errors.APIError):
+            self.api.kill(handle)
+
+    def remove(self, handle: str) -> None:
+        import docker.errors
+
+        with contextlib.suppress(docker.errors.NotFound):
+            engine_retry(self.api.remove_container)(handle, force=True, v=True)
+
+    def update_limits(
+        self, handle: str, *, cpus: float | None = None, memory: int | None = None, pids: int | None = None
+    ) -> None:
+        import docker.errors
+
+        body: dict[str, Any] = {}
+        if cpus is not None:
+            body["NanoCpus"] = int(cpus * 1e9)
+        if memory is not None:
+            body["Memory"] = body["MemorySwap"] = memory
+        if pids is not None:
+            body["PidsLimit"] = pids
+        if not body:
+            return
+        api = self.api
+        try:
+            res = api._post_json(api._url("/containers/{0}/update", handle), data=body)
+            api._raise_for_status(res)
+        except docker.errors.APIError as exc:
+            raise UsageError(f"the engine refused the update: {exc.explanation or exc}") from None
+
+    def list(self, state_id: str) -> list[Listed]:
+        mine = f"{LABEL_STATE}={state_id}"
+        return [
+            Listed(c["Id"], c.get("Labels") or {}, c.get("State") == "running")
+            for c in self.api.containers(all=True, filters={"label": [LABEL_SESSION, mine]})
+            if (c.get("Labels") or {}).get(LABEL_BACKEND, "docker") == self.name
+        ]
+
+    def counters(self, handle: str) -> Any:
+        from sandman.backends.causes import CgroupWatch
+
+        return CgroupWatch.for_container(handle, lambda: self.status(handle).pid)
+
+    def close(self) -> None:
+        if self._api is not None:
+            self._api.close()
+            self._api = None

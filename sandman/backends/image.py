@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sandman import __version__, resources
-from sandman.backends.docker import LABEL_CAMPAIGN, LABEL_KIND, LABEL_VERSION, engine_retry
+from sandman.backends.base import LABEL_CAMPAIGN, LABEL_KIND, LABEL_VERSION
+from sandman.backends.docker import engine_retry
 from sandman.core.workspace import campaign_slug
 from sandman.errors import CampaignError, ConfigError, ImageError
 

@@ -75,6 +75,15 @@ def accept_campaign_option(f: F) -> F:
     )(f)
 
 
+def backend_option(f: F) -> F:
+    return click.option(
+        "--backend",
+        metavar="NAME",
+        help="What runs layer 1: docker, gvisor, podman, podman-rootless or local "
+        "(default: the `backend` setting, docker); `sandman backends` lists them.",
+    )(f)
+
+
 def raw_option(f: F) -> F:
     return click.option(
         "--raw",
@@ -102,6 +111,7 @@ def app() -> None:
 @click.option("--memory", help="Memory cap (memory+swap), e.g. 512m or 2g.")
 @click.option("--pids", type=click.IntRange(min=16), help="Maximum number of processes.")
 @click.option("--timeout", type=click.FloatRange(min=0.001), help="Seconds before the whole process tree is killed.")
+@backend_option
 @accept_campaign_option
 @raw_option
 @json_option
@@ -114,6 +124,7 @@ def run(
     memory: str | None,
     pids: int | None,
     timeout: float | None,
+    backend: str | None,
     accept_campaign: bool,
     raw: bool,
     json_out: bool,
@@ -130,7 +141,15 @@ def run(
     and cursor control are the operator's, not the command's); --raw turns that off.
     """
     raw = raw or json_out  # --json output is for programs: the bytes as the command wrote them
+    if backend is not None:
+        from sandman import backends
+
+        try:
+            backends.backend_class(backend)
+        except SandmanError as exc:
+            _fail(exc)
     args = {
+        "backend": backend,
         "command": list(command),
         "workspace": os.path.abspath(workspace),
         "campaign": campaign,
@@ -207,7 +226,7 @@ def _run_in_process_with(
     from sandman.policy import cli_size
 
     try:
-        runner = Runner(progress=progress)
+        runner = Runner(progress=progress, backend=args.get("backend"))
         ws = resolve_workspace(args["workspace"])
         runner.check_campaign(ws.path, bool(args.get("accept_campaign")))
         from sandman.policy import named_policy_path
@@ -241,8 +260,9 @@ def _run_in_process_with(
     type=click.Path(path_type=Path),
     help="Also check this workspace: deny-listed files in its git history, its disk quota mechanism.",
 )
+@backend_option
 @json_option
-def doctor(verify: bool, policy: str | None, workspace: Path | None, json_out: bool) -> None:
+def doctor(verify: bool, policy: str | None, workspace: Path | None, backend: str | None, json_out: bool) -> None:
     """Check that this host can run sandman, with the fix for each failure.
 
     With --verify, run the non-destructive escape battery inside a real sandbox (your engine, your
@@ -253,7 +273,7 @@ def doctor(verify: bool, policy: str | None, workspace: Path | None, json_out: b
 
     try:
         settings = Settings.load()
-        checks = run_checks(settings)
+        checks = run_checks(settings, backend)
         if workspace is not None:
             from sandman.cli.doctor import workspace_checks
             from sandman.core.workspace import resolve_workspace
@@ -267,7 +287,7 @@ def doctor(verify: bool, policy: str | None, workspace: Path | None, json_out: b
     report: dict[str, Any] = as_json(checks)
     if verify and report["ok"]:
         try:
-            report["verify"] = _verify(settings, policy)
+            report["verify"] = _verify(settings, policy, backend)
         except SandmanError as exc:
             _fail(exc)
         report["ok"] = report["ok"] and report["verify"]["ok"]
@@ -284,7 +304,35 @@ def doctor(verify: bool, policy: str | None, workspace: Path | None, json_out: b
     sys.exit(0 if report["ok"] else 1)
 
 
-def _verify(settings: Any, policy: str | None) -> dict[str, Any]:
+@app.command("backends")
+@json_option
+def backends_cmd(json_out: bool) -> None:
+    """List what can run layer 1 here: each backend, whether it is available, the walls it
+    gives, and when unavailable the exact reason and the fix.
+
+    Choose one with --backend NAME (run, session create, pool, doctor) or the `backend` setting."""
+    from sandman import backends
+    from sandman.settings import Settings
+
+    try:
+        rows = backends.describe_all(Settings.load())
+    except SandmanError as exc:
+        _fail(exc)
+    if json_out:
+        _emit(rows)
+        return
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        mark = "yes" if r["available"] else "no "
+        click.echo(f"{r['name']:<{width}}  {mark}  walls: {' + '.join(r['walls']) or '-'}")
+        click.echo(f"{'':<{width}}       {r['detail'] if r['available'] else r['reason']}")
+        for note in (r.get("capabilities") or {}).get("notes", []):
+            click.echo(f"{'':<{width}}       note: {note}")
+        if not r["available"] and r["fix"]:
+            click.echo(f"{'':<{width}}       fix: {r['fix']}")
+
+
+def _verify(settings: Any, policy: str | None, backend: str | None = None) -> dict[str, Any]:
     import secrets as _secrets
     import shutil
     import tempfile
@@ -299,9 +347,9 @@ def _verify(settings: Any, policy: str | None) -> dict[str, Any]:
     try:
         if os.geteuid() == 0:
             os.chown(scratch, 1000, 1000)
-        with Sandbox(scratch, policy=policy, settings=settings) as sb, host_listener() as port:
+        with Sandbox(scratch, policy=policy, settings=settings, backend=backend) as sb, host_listener() as port:
             rows = run_battery(sb, port, host_secrets={**host_secrets_from_env(), **canary})
-            versions = runtime_versions(sb.api)
+            versions = runtime_versions(sb.backend)
     finally:
         os.environ.pop("SANDMAN_VERIFY_CANARY", None)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -422,11 +470,11 @@ def _since(text: str | None) -> float | None:
 
 def _reconcile_quietly() -> None:
     """Crash recovery on every session command: reap what a dead controller left behind."""
-    from sandman.core.reaper import reconcile
+    from sandman.core.reaper import backends_in_use, reconcile
     from sandman.core.runner import Runner
 
     runner = Runner()
-    reconcile(runner.api, runner.state, runner.settings.runtime_dir)
+    reconcile(backends_in_use(runner.state, runner.backend), runner.state, runner.settings.runtime_dir)
 
 
 @app.group()
@@ -438,10 +486,16 @@ def session() -> None:
 @workspace_option()
 @click.option("--campaign", help="Campaign name.")
 @click.option("--policy", help="Policy name (default, strict) or file.")
+@backend_option
 @accept_campaign_option
 @json_option
 def session_create(
-    workspace: Path, campaign: str | None, policy: str | None, accept_campaign: bool, json_out: bool
+    workspace: Path,
+    campaign: str | None,
+    policy: str | None,
+    backend: str | None,
+    accept_campaign: bool,
+    json_out: bool,
 ) -> None:
     """Start a session; print its id. It lives until stopped or its idle/lifetime limit."""
     from sandman.core.session import Sandbox
@@ -455,11 +509,19 @@ def session_create(
             progress=_progress,
             owned=False,
             accept_campaign=accept_campaign,
+            backend=backend,
         )
     except SandmanError as exc:
         _fail(exc)
     if json_out:
-        _emit({"session_id": sb.id, "campaign": sb.record.campaign, "image": sb.record.image})
+        _emit(
+            {
+                "session_id": sb.id,
+                "campaign": sb.record.campaign,
+                "image": sb.record.image,
+                "backend": sb.record.backend,
+            }
+        )
     else:
         click.echo(sb.id)
 
@@ -719,7 +781,10 @@ def pool() -> None:
 @click.option("--campaign", help="Campaign name.")
 @click.option("--policy", help="Policy name or file.")
 @click.option("--detach", is_flag=True, help="Keep the pool in a background process and return.")
-def pool_start(workspace: Path, size: int, campaign: str | None, policy: str | None, detach: bool) -> None:
+@backend_option
+def pool_start(
+    workspace: Path, size: int, campaign: str | None, policy: str | None, detach: bool, backend: str | None
+) -> None:
     """Keep SIZE fresh sandboxes ready; runs until Ctrl-C (or in the background with --detach)."""
     import signal
     import subprocess
@@ -742,6 +807,7 @@ def pool_start(workspace: Path, size: int, campaign: str | None, policy: str | N
             ]
             + (["--campaign", campaign] if campaign else [])
             + (["--policy", policy] if policy else [])
+            + (["--backend", backend] if backend else [])
         )
         proc = subprocess.Popen(
             args,
@@ -754,7 +820,7 @@ def pool_start(workspace: Path, size: int, campaign: str | None, policy: str | N
         return
     try:
         _reconcile_quietly()
-        p = Pool(workspace, size, policy=policy, campaign=campaign).start()
+        p = Pool(workspace, size, policy=policy, campaign=campaign, backend=backend).start()
     except SandmanError as exc:
         _fail(exc)
     _progress(f"pool ready: {p.ready()} sandbox(es) for {p.workspace.path}; Ctrl-C stops it")
@@ -776,8 +842,11 @@ def pool_start(workspace: Path, size: int, campaign: str | None, policy: str | N
 @click.option("--campaign", help="Campaign name.")
 @click.option("--policy", help="Policy name or file.")
 @click.option("--timeout", type=float, default=60.0, show_default=True)
+@backend_option
 @json_option
-def pool_acquire(workspace: Path, campaign: str | None, policy: str | None, timeout: float, json_out: bool) -> None:
+def pool_acquire(
+    workspace: Path, campaign: str | None, policy: str | None, timeout: float, backend: str | None, json_out: bool
+) -> None:
     """Take a ready sandbox out of the pool; it becomes an ordinary session (stop it when done)."""
     from sandman.backends.image import load_campaign
     from sandman.core.pool import acquire, pool_key
@@ -786,10 +855,10 @@ def pool_acquire(workspace: Path, campaign: str | None, policy: str | None, time
     from sandman.core.workspace import resolve_workspace
 
     try:
-        runner = Runner()
+        runner = Runner(backend=backend)
         ws = resolve_workspace(workspace)
         pol = runner.policy(None, ws.path) if policy is None else _as_policy(runner, policy, ws.path)
-        key = pool_key(ws.path, load_campaign(ws.path, campaign).name, pol)
+        key = pool_key(ws.path, load_campaign(ws.path, campaign).name, pol, runner.backend_name)
         sb = acquire(key, runner.settings, timeout=timeout, owned=False)
     except SandmanError as exc:
         _fail(exc)
@@ -862,12 +931,12 @@ def _pid_exists(pid: int) -> bool:
 @json_option
 def gc(json_out: bool) -> None:
     """Reconcile with the engine: reap orphaned containers and runtime dirs, mark lost sessions."""
-    from sandman.core.reaper import reconcile
+    from sandman.core.reaper import backends_in_use, reconcile
     from sandman.core.runner import Runner
 
     try:
         runner = Runner()
-        report = reconcile(runner.api, runner.state, runner.settings.runtime_dir)
+        report = reconcile(backends_in_use(runner.state, runner.backend), runner.state, runner.settings.runtime_dir)
     except SandmanError as exc:
         _fail(exc)
     if json_out:

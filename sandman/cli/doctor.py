@@ -34,8 +34,50 @@ def _cgroup_version() -> str:
     return "v1" if Path("/sys/fs/cgroup").exists() else "unknown"
 
 
-def run_checks(settings: Settings) -> list[Check]:
-    from sandman.backends.docker import connect
+def run_checks(settings: Settings, backend: str | None = None) -> list[Check]:
+    """The host checks for ``backend`` (default: the ``backend`` setting)."""
+    from sandman import backends
+
+    name = backend or settings.backend
+    cls = backends.backend_class(name)
+    if name == "docker":
+        return _docker_checks(settings)
+    avail = cls.availability(settings)
+    checks = [Check(f"backend {name}", avail.available, avail.detail or avail.reason, avail.fix)]
+    if avail.available:
+        checks += _backend_checks(cls(settings))
+    checks.extend(_wall_checks())
+    checks.append(Check("host", True, f"{platform.system()} {platform.release()} {platform.machine()}", required=False))
+    return checks
+
+
+def _walls_check(caps: Any) -> Check:
+    """Which walls this backend gives, and what it cannot do: never dropped silently."""
+    detail = " + ".join(caps.walls) + (f"; {' '.join(caps.notes)}" if caps.notes else "")
+    return Check("walls", True, detail, required=False)
+
+
+def _backend_checks(backend: Any) -> list[Check]:
+    """A non-Docker backend: its walls, its image, and the real start of a sandbox with `true`."""
+    import tempfile
+
+    from sandman.backends.image import load_campaign
+    from sandman.core.runner import Runner
+
+    checks = [_walls_check(backend.capabilities())]
+    runner = Runner(backend.settings, backend=backend)
+    try:
+        with tempfile.TemporaryDirectory(prefix="sandman-doctor-") as tmp:
+            image = runner.images().ensure(load_campaign(Path(tmp), None))
+        checks.append(Check("image", True, image))
+    except SandmanError as exc:
+        return [*checks, Check("image", False, str(exc), "run scripts/setup")]
+    checks.append(_probe(runner, image))
+    return checks
+
+
+def _docker_checks(settings: Settings) -> list[Check]:
+    from sandman.backends.docker import DockerBackend, connect
     from sandman.core.runner import Runner
 
     checks: list[Check] = []
@@ -98,8 +140,8 @@ def run_checks(settings: Settings) -> list[Check]:
             "reinstall sandman: the profile file is missing",
         )
     )
-    runner = Runner(settings)
-    runner._api = api
+    runner = Runner(settings, backend=DockerBackend(settings, api=api))
+    checks.append(_walls_check(runner.backend.capabilities()))
     images = runner.images()
     base = None
     try:
@@ -207,10 +249,13 @@ def _probe(runner: Any, image: str) -> Check:
         except SandmanError as exc:
             return Check("bwrap probe", False, str(exc), "see the message")
     if res.exit_code == 0:
+        layer2 = runner.backend.capabilities().layer2
         return Check(
-            "bwrap probe",
+            "bwrap probe" if layer2 else "sandbox probe",
             True,
-            f"bubblewrap runs inside the container with sandman's profile ({res.duration_s:.2f}s)",
+            f"bubblewrap runs inside the {runner.backend.name} sandbox with sandman's profile ({res.duration_s:.2f}s)"
+            if layer2
+            else f"a command runs in the {runner.backend.name} sandbox ({res.duration_s:.2f}s)",
         )
     failure = bwrap.classify_probe(res.exit_code, err.decode(errors="replace"))
     text = err.decode(errors="replace").strip()

@@ -41,8 +41,7 @@ class _State:
         self.active = 0
         self.last = time.monotonic()
         self.lock = threading.Lock()
-        self.api: Any = None
-        self.api_url: str | None = None
+        self.backends: dict[tuple[str, str], Any] = {}  # (name, settings) -> a connected backend
 
     def enter(self) -> None:
         with self.lock:
@@ -122,13 +121,17 @@ class Handler(socketserver.StreamRequestHandler):
         except SandmanError as exc:
             protocol.send_json(self.request, protocol.ERROR, {"message": str(exc), "exit_code": exc.exit_code})
 
-    def _runner(self, settings: Settings, progress: Any) -> Runner:
+    def _runner(self, settings: Settings, progress: Any, name: str | None = None) -> Runner:
+        """A runner on a backend kept connected across runs (one per backend and settings)."""
+        from sandman import backends
+
         state = self.server.state
+        key = (name or settings.backend, settings.model_dump_json())
         with state.lock:
-            if state.api is None or state.api_url != settings.docker_base_url():
-                runner = Runner(settings, progress)
-                state.api, state.api_url = runner.api, settings.docker_base_url()
-        return Runner(settings, progress, api=state.api)
+            if key not in state.backends:
+                state.backends[key] = backends.get(key[0], settings)
+            backend = state.backends[key]
+        return Runner(settings, progress, backend=backend)
 
     def _run(self, args: dict[str, Any]) -> None:
         sock: socket.socket = self.request
@@ -156,7 +159,10 @@ class Handler(socketserver.StreamRequestHandler):
         watcher.start()
         try:
             settings = Settings.load()
-            runner = self._runner(settings, lambda msg: send(protocol.PROGRESS, msg.encode()))
+            name = args.get("backend")
+            if name is not None and not isinstance(name, str):
+                raise UsageError("backend must be a name")
+            runner = self._runner(settings, lambda msg: send(protocol.PROGRESS, msg.encode()), name)
             ws = resolve_workspace(args.get("workspace") or ".")
             runner.check_campaign(ws.path, bool(args.get("accept_campaign")))
             from sandman.policy import named_policy_path

@@ -23,8 +23,9 @@ from sandman.policy import Policy, enforce
 from sandman.settings import Settings
 
 
-def pool_key(workspace: Path, campaign: str, policy: Policy) -> str:
-    return f"{workspace}|{campaign}|{policy.digest()}"
+def pool_key(workspace: Path, campaign: str, policy: Policy, backend: str = "docker") -> str:
+    key = f"{workspace}|{campaign}|{policy.digest()}"
+    return key if backend == "docker" else f"{key}|{backend}"
 
 
 class Pool:
@@ -38,12 +39,13 @@ class Pool:
         policy: Policy | str | os.PathLike[str] | None = None,
         campaign: str | None = None,
         settings: Settings | None = None,
+        backend: str | None = None,
     ) -> None:
         if size < 1:
             raise UsageError("a pool needs a size of at least 1")
         self.size = size
         self.settings = settings or Settings.load()
-        self._runner = Runner(self.settings)
+        self._runner = Runner(self.settings, backend=backend)
         self.workspace = resolve_workspace(workspace)
         self.campaign = campaign
         self.policy = (
@@ -52,7 +54,7 @@ class Pool:
             else _as_policy(self._runner, policy, self.workspace.path)
         )
         camp = load_campaign(self.workspace.path, campaign)
-        self.key = pool_key(self.workspace.path, camp.name, self.policy)
+        self.key = pool_key(self.workspace.path, camp.name, self.policy, self._runner.backend_name)
         self.state = StateStore(self.settings.state_dir, scrub=enforce.text_scrubber(self.settings))
         self._stop = threading.Event()
         self._wake = threading.Event()

@@ -8,17 +8,16 @@ never touched. Runs at the start of session commands and on ``sandman gc``.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sandman.backends.docker import LABEL_SESSION, LABEL_STATE, state_id_for
+from sandman.backends.base import LABEL_SESSION, Listed, state_id_for
 from sandman.core.state import SessionState, StateStore
 
 if TYPE_CHECKING:
-    import docker
+    from sandman.backends.base import Backend
 
 EXIT_IDLE, EXIT_LIFETIME = 3, 4
 
@@ -37,22 +36,48 @@ class ReconcileReport:
         }
 
 
-def reconcile(api: docker.APIClient, store: StateStore, runtime_root: Path) -> ReconcileReport:
+def backends_in_use(store: StateStore, default: Backend) -> list[Backend]:
+    """The default backend, and every other one a live session was created on (when it is
+    available here: a session on a backend that cannot be reached is left alone)."""
+    from sandman import backends
+
+    found = [default]
+    for name in sorted({r.backend for r in store.sessions(live_only=True)} - {default.name}):
+        cls = backends.backend_class(name)
+        if cls.availability(default.settings).available:
+            found.append(cls(default.settings))
+    return found
+
+
+def reconcile(backend: Backend | list[Backend], store: StateStore, runtime_root: Path) -> ReconcileReport:
+    """Make the state store and the backends agree, for every backend given."""
+    report = ReconcileReport()
+    for one in backend if isinstance(backend, list) else [backend]:
+        _reconcile(one, store, report)
+    live = {r.id for r in store.sessions(live_only=True)}
+    if runtime_root.is_dir():
+        for path in runtime_root.glob("sm-*"):
+            if path.is_dir() and path.name not in live:
+                shutil.rmtree(path, ignore_errors=True)
+                report.removed_runtime_dirs.append(path.name)
+    # git-push's bare repositories of sessions that ended (a crash skipped their teardown).
+    git_root = store.path.parent / "git"
+    if git_root.is_dir():
+        for path in git_root.glob("sm-*.git"):
+            if path.name.removesuffix(".git") not in live:
+                shutil.rmtree(path, ignore_errors=True)
+    return report
+
+
+def _reconcile(backend: Backend, store: StateStore, report: ReconcileReport) -> None:
     from sandman.core.session import owner_alive
 
-    report = ReconcileReport()
-    mine = f"{LABEL_STATE}={state_id_for(store.path.parent)}"
-    containers = {
-        c["Labels"][LABEL_SESSION]: c for c in api.containers(all=True, filters={"label": [LABEL_SESSION, mine]})
-    }
-    records = {r.id: r for r in store.sessions(live_only=True)}
+    containers = {c.labels[LABEL_SESSION]: c for c in backend.list(state_id_for(store.path.parent))}
+    records = {r.id: r for r in store.sessions(live_only=True) if r.backend == backend.name}
 
-    def remove(container: dict[str, Any]) -> None:
-        import docker.errors
-
-        with contextlib.suppress(docker.errors.NotFound):
-            api.remove_container(container["Id"], force=True, v=True)
-        report.removed_containers.append(container["Id"][:12])
+    def remove(container: Listed) -> None:
+        backend.remove(container.id)
+        report.removed_containers.append(container.id[:12])
 
     def end(session_id: str, state: SessionState, reason: str) -> None:
         if store.end_session(session_id, state, reason):
@@ -66,8 +91,8 @@ def reconcile(api: docker.APIClient, store: StateStore, runtime_root: Path) -> R
             if store.get_session(session_id) is not None:
                 store.audit(session_id, "session.reconcile", reason="orphan container removed")
             continue
-        if container["State"] != "running":
-            code = api.inspect_container(container["Id"])["State"].get("ExitCode")
+        if not container.running:
+            code = backend.status(container.id).exit_code
             remove(container)
             if code == EXIT_IDLE:
                 end(session_id, SessionState.EXPIRED, "idle timeout")
@@ -85,16 +110,3 @@ def reconcile(api: docker.APIClient, store: StateStore, runtime_root: Path) -> R
         ):
             continue
         end(session_id, SessionState.LOST, "container gone")
-    live = {r.id for r in store.sessions(live_only=True)}
-    if runtime_root.is_dir():
-        for path in runtime_root.glob("sm-*"):
-            if path.is_dir() and path.name not in live:
-                shutil.rmtree(path, ignore_errors=True)
-                report.removed_runtime_dirs.append(path.name)
-    # git-push's bare repositories of sessions that ended (a crash skipped their teardown).
-    git_root = store.path.parent / "git"
-    if git_root.is_dir():
-        for path in git_root.glob("sm-*.git"):
-            if path.name.removesuffix(".git") not in live:
-                shutil.rmtree(path, ignore_errors=True)
-    return report

@@ -25,9 +25,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from sandman import resources
-from sandman.backends.causes import ENOSPC_TEXT, CgroupWatch, Counters, OutputCap
-from sandman.backends.docker import ContainerSpec, connect, container_kwargs, engine_retry, state_id_for
+from sandman import backends, resources
+from sandman.backends.base import Backend, ContainerSpec, state_id_for
+from sandman.backends.causes import ENOSPC_TEXT, Counters, OutputCap
 from sandman.backends.image import ImageManager, Progress, load_campaign
 from sandman.core import bwrap
 from sandman.core.quota import DiskWatch
@@ -231,9 +231,14 @@ class Runner:
         settings: Settings | None = None,
         progress: Progress = _quiet,
         api: docker.APIClient | None = None,
+        backend: Backend | str | None = None,
     ) -> None:
         self.settings = settings or Settings.load()
         self.progress = progress
+        if isinstance(backend, str) or backend is None:
+            backends.backend_class(backend or self.settings.backend)  # an unknown name fails here
+        self._backend_arg = backend
+        self._backend: Backend | None = backend if not isinstance(backend, str | None) else None
         self._api = api
         self._state: StateStore | None = None
 
@@ -244,15 +249,33 @@ class Runner:
         return self._state
 
     @property
+    def backend_name(self) -> str:
+        if isinstance(self._backend_arg, str):
+            return self._backend_arg
+        if self._backend is not None:
+            return self._backend.name
+        return self.settings.backend
+
+    @property
+    def backend(self) -> Backend:
+        """What runs layer 1 (``--backend``, else the ``backend`` setting), connected lazily."""
+        if self._backend is None:
+            name = self._backend_arg if isinstance(self._backend_arg, str) else None
+            extra = {"api": self._api} if self._api is not None else {}
+            self._backend = backends.get(name, self.settings, **extra)
+        return self._backend
+
+    @property
     def api(self) -> docker.APIClient:
-        if self._api is None:
-            self._api = connect(self.settings.docker_base_url(), self.settings.engine_timeout_s)
-        return self._api
+        """The Docker-API client of an engine backend (docker, gvisor, podman)."""
+        api = getattr(self.backend, "api", None)
+        if api is None:
+            raise UsageError(f"the {self.backend.name} backend has no engine API")
+        return api
 
     def images(self) -> ImageManager:
-        return ImageManager(
-            self.api, self.settings.base_image, self.settings.offline_base_image, self.settings.state_dir
-        )
+        images: ImageManager = self.backend.images()  # type: ignore[assignment]
+        return images
 
     def policy(self, path: Path | None, workspace: Path | None = None) -> Policy:
         """The effective policy: the operator's (``path``, else settings, else sandman's default)
@@ -356,14 +379,14 @@ class Runner:
     # -- the probe -------------------------------------------------------------------------
     def ensure_probe(self, image: str, ws: Workspace, policy: Policy) -> None:
         """Run the real layer-2 argv with ``true`` once per image/profile/engine; fail closed."""
-        memo = (image, policy.runtime.value, self.settings.state_dir)
+        backend = self.backend
+        memo = (image, policy.runtime.value + backend.name, self.settings.state_dir)
         if _PROBED.get(memo, 0.0) > time.monotonic():
             return
         profile = resources.seccomp_profile_path().read_bytes()
-        image_id = engine_retry(self.api.inspect_image)(image)["Id"]
-        key = hashlib.sha256(
-            image_id.encode() + profile + self.api.api_version.encode() + policy.runtime.value.encode()
-        ).hexdigest()[:24]
+        image_id = backend.image_id(image)
+        engine = json.dumps(backend.versions(), sort_keys=True).encode()
+        key = hashlib.sha256(image_id.encode() + profile + engine + policy.runtime.value.encode()).hexdigest()[:24]
         marker = self.settings.state_dir / "probes" / key
         if marker.exists():
             _PROBED[memo] = time.monotonic() + 60.0
@@ -426,9 +449,7 @@ class Runner:
         layer2: enforce.Layer2 | None = None,
         session_id: str | None = None,
     ) -> RunResult:
-        import docker.errors
-
-        api = self.api
+        backend = self.backend
         cancel = cancel or Cancel()
         session_id = session_id or new_session_id()
         layer2 = layer2 or enforce.plain_layer2()
@@ -444,7 +465,6 @@ class Runner:
             env_file = enforce.write_env_file(runtime_dir, ws, layer2.env.private)[1]
         argv = launcher_argv(layer2.spec(command, env_file))
         spec = self.container_spec(argv, ws, campaign, image, policy, session_id, runtime_dir, kind)
-        kwargs = container_kwargs(spec)
         res = policy.resources
         self.state.add_session(
             SessionRecord(
@@ -465,6 +485,7 @@ class Runner:
                 limits=json.dumps({"cpus": res.cpus, "memory": res.memory, "pids": res.pids}),
                 created=time.time(),
                 last_used=time.time(),
+                backend=backend.name,
             )
         )
         container_id: str | None = None
@@ -475,16 +496,16 @@ class Runner:
         try:
             with signals_cancel(cancel):
                 try:
-                    container_id = engine_retry(api.create_container)(**kwargs)["Id"]
+                    container_id = backend.create(spec)
                     self.state.update_session(session_id, container_id=container_id, state="running")
-                    cancel.arm(functools.partial(self._kill, container_id))
-                    stream = api.attach(container_id, stdout=True, stderr=True, stream=True, logs=True, demux=True)
+                    cancel.arm(functools.partial(backend.kill, container_id))
+                    stream = backend.attach(container_id)
                     if not cancel.fired:
-                        engine_retry(api.start)(container_id)
-                except docker.errors.APIError as exc:
+                        backend.start(container_id)
+                except SandboxError:
                     if cancel.fired:
                         raise _Cancelled from None
-                    raise SandboxError(f"the engine refused the sandbox container: {exc.explanation or exc}") from None
+                    raise
                 if timeout:
                     timer = threading.Timer(timeout, _expire, (timed_out, cancel))
                     timer.daemon = True
@@ -496,8 +517,7 @@ class Runner:
                         policy.resources.host_reserve,
                         lambda _r: cancel.fire(),
                     ).start()
-                cid = container_id
-                watch = CgroupWatch.for_container(cid, lambda: int(api.inspect_container(cid)["State"].get("Pid") or 0))
+                watch = backend.counters(container_id)
                 cap = OutputCap(policy.resources.max_output, stderr)
                 # Every byte that leaves the sandbox passes the scrubber (secrets split across
                 # chunks included), then the output cap.
@@ -524,7 +544,7 @@ class Runner:
                     stdout(tail)
                 if tail := cap.take(scrub_err.flush()):
                     stderr(tail)
-                exit_code = int(api.wait(container_id)["StatusCode"])
+                exit_code = backend.wait(container_id)
                 if disk is not None and disk.exceeded:
                     stderr(f"sandman: stopped: {disk.reason}\n".encode())
                     raise _DiskQuota
@@ -534,7 +554,7 @@ class Runner:
                 counters = Counters(max(now.pids_max_hits, seen.pids_max_hits), max(now.oom_kills, seen.oom_kills))
                 if exit_code == 128 + signal.SIGKILL and not timed_out.is_set() and not counters.oom_kills:
                     # A run's container is its own: the engine's OOM flag is exact for it.
-                    oom = api.inspect_container(container_id)["State"].get("OOMKilled")
+                    oom = backend.status(container_id).oom_killed
                     counters = Counters(counters.pids_max_hits, 1 if oom else 0)
                 if timed_out.is_set():
                     # A fork or thread bomb ends by the timeout; the pids limit is what it ran into.
@@ -552,7 +572,7 @@ class Runner:
             if disk is not None:
                 disk.stop()
             if container_id is not None:
-                self._remove(container_id)
+                backend.remove(container_id)
             if relay is not None:
                 relay.stop(session_id)
             shutil.rmtree(runtime_dir, ignore_errors=True)
@@ -597,18 +617,6 @@ class Runner:
             )
         )
         return host
-
-    def _kill(self, container_id: str) -> None:
-        import docker.errors
-
-        with contextlib.suppress(docker.errors.APIError):
-            self.api.kill(container_id)
-
-    def _remove(self, container_id: str) -> None:
-        import docker.errors
-
-        with contextlib.suppress(docker.errors.NotFound):
-            engine_retry(self.api.remove_container)(container_id, force=True, v=True)
 
 
 class _Cancelled(Exception):

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sandman import backends
+from sandman.backends.base import Backend, ContainerSpec, state_id_for
 from sandman.backends.causes import CgroupWatch, OutputCap
-from sandman.backends.docker import ContainerSpec, container_kwargs, engine_retry, state_id_for
 from sandman.core import bwrap
 from sandman.core.files import Files
 from sandman.core.protocol import HEADER, recv_exact
@@ -126,11 +127,19 @@ class Sandbox:
         kind: str = "session",
         labels: Mapping[str, str] | None = None,
         accept_campaign: bool = False,
+        backend: str | None = None,
         _record: SessionRecord | None = None,
         _runner: Runner | None = None,
     ) -> None:
         self.settings = settings or Settings.load()
-        self._runner = _runner or Runner(self.settings, progress or (lambda _m: None))
+        name = _record.backend if _record is not None else backend
+        if name is not None:
+            backends.backend_class(name)  # an unknown name is a usage error, before anything starts
+        if _runner is None or (name is not None and _runner.backend_name != name):
+            _runner = Runner(
+                self.settings, progress or (_runner.progress if _runner else (lambda _m: None)), backend=name
+            )
+        self._runner = _runner
         # Known secrets found in the repository's history: scrubbed from output and the audit.
         self._history: dict[str, str] | None = None
         self._history_values: dict[str, str] = {}
@@ -189,6 +198,10 @@ class Sandbox:
     def api(self) -> docker.APIClient:
         return self._runner.api
 
+    @property
+    def backend(self) -> Backend:
+        return self._runner.backend
+
     def _create(self, campaign_name: str | None, owned: bool, kind: str, labels: dict[str, str]) -> SessionRecord:
         from sandman.backends.image import load_campaign
 
@@ -231,7 +244,6 @@ class Sandbox:
             extra_labels=labels,
             trusted_dir=str(trusted_dir(self.settings)),
         )
-        kwargs = container_kwargs(spec)
         now = time.time()
         rec = SessionRecord(
             id=session_id,
@@ -254,6 +266,7 @@ class Sandbox:
             created=now,
             last_used=now,
             policy=self.policy.model_dump_json(),
+            backend=self._runner.backend_name,
         )
         self.state.add_session(rec)
         try:
@@ -264,20 +277,14 @@ class Sandbox:
             shutil.rmtree(runtime_dir, ignore_errors=True)
             raise
         try:
-            container_id = engine_retry(self.api.create_container)(**kwargs)["Id"]
+            container_id = self.backend.create(spec)
             rec.container_id = container_id
             self.state.update_session(session_id, container_id=container_id)
-            engine_retry(self.api.start)(container_id)
+            self.backend.start(container_id)
             self._wait_ready(container_id, runtime_dir / CONTROL_DIR / CONTROL_SOCK)
             self._start_relay(rec, owned)
         except BaseException as exc:
             self._teardown(rec, SessionState.STOPPED, f"failed to start: {exc!r}"[:200])
-            if isinstance(exc, SandmanError):
-                raise
-            import docker.errors
-
-            if isinstance(exc, docker.errors.APIError):
-                raise SandboxError(f"the engine refused the session container: {exc.explanation or exc}") from None
             raise
         rec.state = SessionState.RUNNING.value
         self.state.update_session(session_id, state=rec.state)
@@ -302,9 +309,8 @@ class Sandbox:
                 with contextlib.suppress(OSError, ConnectionError, ValueError):
                     self._control({"op": "ping"}, sock_path)
                     return
-            state = self.api.inspect_container(container_id)["State"]
-            if not state.get("Running"):
-                logs = self.api.logs(container_id, stdout=True, stderr=True, tail=20).decode(errors="replace")
+            if not self.backend.status(container_id).running:
+                logs = self.backend.logs(container_id, tail=20)
                 raise SandboxError(f"the session supervisor exited during start: {logs.strip()[-400:]}")
             time.sleep(0.01)
         raise SandboxError(f"the session supervisor did not answer within {READY_TIMEOUT_S:.0f}s")
@@ -389,13 +395,10 @@ class Sandbox:
         path.write_text(baseline.model_dump_json())
 
     def _teardown(self, rec: SessionRecord, state: SessionState, reason: str) -> None:
-        import docker.errors
-
         RelayHost.stop_if_running(rec.id)
 
         if rec.container_id:
-            with contextlib.suppress(docker.errors.NotFound):
-                engine_retry(self.api.remove_container)(rec.container_id, force=True, v=True)
+            self.backend.remove(rec.container_id)
         shutil.rmtree(rec.runtime_dir, ignore_errors=True)
         shutil.rmtree(bare_repository(self.settings.state_dir, rec.id), ignore_errors=True)
         ended = self.state.end_session(rec.id, state, reason)
@@ -640,10 +643,10 @@ class Sandbox:
     def _cgroup_watch(self) -> CgroupWatch:
         """The session container's cgroup counters (located once per handle)."""
         if self._watch is None:
-            pid = 0
-            with contextlib.suppress(Exception):
-                pid = int(self.api.inspect_container(self.record.container_id)["State"].get("Pid") or 0)
-            self._watch = CgroupWatch(pid)
+            self._watch = CgroupWatch(0)
+            if self.record.container_id:
+                with contextlib.suppress(Exception):
+                    self._watch = self.backend.counters(self.record.container_id)
         return self._watch
 
     # -- live changes -------------------------------------------------------------------------
@@ -672,23 +675,9 @@ class Sandbox:
 
     def update(self, *, cpus: float | None = None, memory: int | None = None, pids: int | None = None) -> None:
         """Apply new CPU, memory (= memory+swap) or pids caps to the running container."""
-        body: dict[str, Any] = {}
-        if cpus is not None:
-            body["NanoCpus"] = int(cpus * 1e9)
-        if memory is not None:
-            body["Memory"] = body["MemorySwap"] = memory
-        if pids is not None:
-            body["PidsLimit"] = pids
-        if not body or not self.record.container_id:
+        if (cpus is None and memory is None and pids is None) or not self.record.container_id:
             return
-        import docker.errors
-
-        api = self.api
-        try:
-            res = api._post_json(api._url("/containers/{0}/update", self.record.container_id), data=body)
-            api._raise_for_status(res)
-        except docker.errors.APIError as exc:
-            raise UsageError(f"the engine refused the update: {exc.explanation or exc}") from None
+        self.backend.update_limits(self.record.container_id, cpus=cpus, memory=memory, pids=pids)
         limits = json.loads(self.record.limits)
         limits.update({k: v for k, v in {"cpus": cpus, "memory": memory, "pids": pids}.items() if v is not None})
         self.record.limits = json.dumps(limits)

@@ -48,7 +48,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     last_used REAL NOT NULL,
     ended REAL,
     end_reason TEXT,
-    policy TEXT NOT NULL DEFAULT '{}'
+    policy TEXT NOT NULL DEFAULT '{}',
+    backend TEXT NOT NULL DEFAULT 'docker'
 );
 CREATE INDEX IF NOT EXISTS sessions_state ON sessions(state);
 CREATE TABLE IF NOT EXISTS audit (
@@ -155,6 +156,7 @@ class SessionRecord:
     ended: float | None = None
     end_reason: str | None = None
     policy: str = "{}"  # the effective policy the session was created with (JSON)
+    backend: str = "docker"  # what runs its layer 1 (sandman.backends)
 
     def as_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -218,6 +220,8 @@ class StateStore:
                 columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
                 if "policy" not in columns:  # a state dir from before policies were recorded
                     self._db.execute("ALTER TABLE sessions ADD COLUMN policy TEXT NOT NULL DEFAULT '{}'")
+                if "backend" not in columns:  # a state dir from before backends
+                    self._db.execute("ALTER TABLE sessions ADD COLUMN backend TEXT NOT NULL DEFAULT 'docker'")
                 break
             except sqlite3.OperationalError as exc:
                 if ("locked" not in str(exc) and "busy" not in str(exc)) or attempt == 49:

@@ -39,6 +39,7 @@ from sandman.upcall.relay import upcall_socket
 if TYPE_CHECKING:
     import docker
 
+    from sandman.backends.base import Backend
     from sandman.core.session import Sandbox
 
 MARKER = "SANDMAN-VERIFY "
@@ -203,14 +204,6 @@ def host_listener() -> Iterator[int]:
         thread.join(2)
 
 
-def _bridge_gateways(api: docker.APIClient) -> list[str]:
-    try:
-        net = api.inspect_network("bridge")
-    except Exception:  # no default bridge: nothing extra to try
-        return []
-    return [str(c["Gateway"]) for c in (net.get("IPAM") or {}).get("Config") or [] if c.get("Gateway")]
-
-
 def run_battery(
     sandbox: Sandbox,
     host_listener_port: int | None = None,
@@ -237,7 +230,7 @@ def run_battery(
         params = {
             "only": names,
             "host_port": host_listener_port,
-            "host_addresses": _bridge_gateways(sandbox.api),
+            "host_addresses": sandbox.backend.host_addresses(),
             "host_workspace": str(sandbox.workspace.path),
             "host_upcall": str(upcall_socket(sandbox.record.runtime_dir).parent),
             "salt": salt,
@@ -297,9 +290,21 @@ def format_rows(rows: list[ProbeResult]) -> str:
 
 
 # -- the runtime ------------------------------------------------------------------------------------
-def runtime_versions(api: docker.APIClient) -> dict[str, Any]:
+def runtime_versions(backend: Backend | docker.APIClient) -> dict[str, Any]:
     """Engine, containerd and runc versions as the engine reports them, plus ``runc --version``
-    on this host when runc is on PATH (the engine's runc may be another binary)."""
+    on this host when runc is on PATH (the engine's runc may be another binary). A backend
+    without a Docker API (local) reports its own versions."""
+    from sandman.backends.base import Backend
+
+    if isinstance(backend, Backend):
+        api = getattr(backend, "api", None)
+        if api is None or backend.name not in ("docker", "gvisor"):
+            return {**backend.versions(), "runc_effective": None}
+        return {**_docker_versions(api), "backend": backend.name}
+    return _docker_versions(backend)
+
+
+def _docker_versions(api: docker.APIClient) -> dict[str, Any]:
     info = api.info()
     version = api.version()
     components = {str(c.get("Name", "")).lower(): c for c in version.get("Components") or []}

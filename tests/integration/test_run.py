@@ -259,7 +259,7 @@ def test_docker_inspect_of_a_live_sandbox_shows_the_hardening(
         assert f"seccomp={profile}" in hc["SecurityOpt"]
         assert hc["LogConfig"] == {"Type": "json-file", "Config": {"max-file": "2", "max-size": "10m"}}
         assert info["Config"]["User"] not in ("", "0", "root") and not info["Config"]["User"].startswith("0:")
-        assert info["Config"]["Labels"]["io.sandman.core.session"].startswith("sm-")
+        assert info["Config"]["Labels"]["io.sandman.session"].startswith("sm-")
         assert "size=" in hc["Tmpfs"]["/tmp"] and "nr_inodes=" in hc["Tmpfs"]["/tmp"]
     finally:
         proc.send_signal(signal.SIGTERM)

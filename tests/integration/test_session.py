@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from sandman.backends.docker import DockerBackend
 from sandman.core.runner import ExitCause
 from sandman.core.session import ExecResult, Output, Sandbox, SessionGone
 from sandman.core.state import StateStore
@@ -38,7 +39,7 @@ def sb(engine: object, agent_image: str, workspace: Path, settings: Settings) ->
 
 
 def containers_of(engine: object, session_id: str) -> list[dict[str, object]]:
-    return engine.containers(all=True, filters={"label": f"io.sandman.core.session={session_id}"})  # type: ignore[attr-defined,no-any-return]
+    return engine.containers(all=True, filters={"label": f"io.sandman.session={session_id}"})  # type: ignore[attr-defined,no-any-return]
 
 
 def test_exec_runs_in_both_layers_with_streams_and_exit_codes(sb: Sandbox, workspace: Path) -> None:
@@ -158,7 +159,7 @@ def test_idle_timeout_ends_the_session(engine: object, agent_image: str, workspa
         if not state["Running"]:
             break
         time.sleep(0.2)
-    report = reconcile(engine, StateStore(settings.state_dir), settings.runtime_dir)  # type: ignore[arg-type]
+    report = reconcile(DockerBackend(settings, api=engine), StateStore(settings.state_dir), settings.runtime_dir)
     assert report.marked == {box.id: "expired"}
     rec = StateStore(settings.state_dir).get_session(box.id)
     assert rec is not None and rec.end_reason == "idle timeout"
@@ -190,7 +191,7 @@ def test_reconcile_marks_a_session_whose_container_vanished_as_lost(
 
     box = Sandbox(workspace, settings=settings, owned=False)
     engine.remove_container(box.record.container_id, force=True)  # type: ignore[attr-defined]
-    report = reconcile(engine, StateStore(settings.state_dir), settings.runtime_dir)  # type: ignore[arg-type]
+    report = reconcile(DockerBackend(settings, api=engine), StateStore(settings.state_dir), settings.runtime_dir)
     assert report.marked == {box.id: "lost"}
 
 

@@ -466,7 +466,7 @@ def test_a_campaign_build_cannot_replace_sandmans_trusted_pieces(
     with Sandbox(ws, settings=settings, accept_campaign=True) as box:
         res = box.exec(["echo", "real"])
     assert res.stdout == b"real\n" and b"PWNED" not in res.stdout + res.stderr
-    for img in engine.images(filters={"label": "io.sandman.policy.campaign"}):  # type: ignore[attr-defined]
+    for img in engine.images(filters={"label": "io.sandman.campaign"}):  # type: ignore[attr-defined]
         if any(t.startswith(("sandman/campaign-evil", "sandman/campaign-shim")) for t in img["RepoTags"] or []):
             subprocess.run(["docker", "rmi", "-f", img["Id"]], capture_output=True)
 
@@ -502,7 +502,7 @@ def test_a_campaign_cannot_change_the_supervisors_python_either(
     make_workspace(ws)
     with pytest.raises(Exception, match=r"replaces sandman's trusted pieces \(/usr/lib/python3.11\)"):
         Sandbox(ws, settings=settings)
-    for img in engine.images(filters={"label": "io.sandman.policy.campaign=stdlib"}):  # type: ignore[attr-defined]
+    for img in engine.images(filters={"label": "io.sandman.campaign=stdlib"}):  # type: ignore[attr-defined]
         subprocess.run(["docker", "rmi", "-f", img["Id"]], capture_output=True)
 
 

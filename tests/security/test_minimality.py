@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from sandman import resources
-from sandman.backends.docker import ContainerSpec, container_kwargs
+from sandman.backends.base import ContainerSpec
+from sandman.backends.docker import container_kwargs
 from sandman.core.bwrap import BwrapSpec, bwrap_argv
 from sandman.core.runner import TINI
 from sandman.policy import Resources

@@ -47,14 +47,14 @@ def test_builders_labels_exec_and_cleanup(engine: object, agent_image: str, work
     )
     with box:
         labels = box.get_wrapped_container().labels
-        assert labels["org.testcontainers.session-id"] and labels["io.sandman.core.session"] == box.session_id
+        assert labels["org.testcontainers.session-id"] and labels["io.sandman.session"] == box.session_id
         res = box.exec(["sandman-upcall", "noop", "hi"])
         assert (res.exit_code, res.stdout) == (0, b"hi\n")
         assert Path(box.get_upcall_socket_path()).is_socket()
         hc = box.get_wrapped_container().attrs["HostConfig"]
         assert (hc["NanoCpus"], hc["Memory"], hc["PidsLimit"]) == (500_000_000, 300 << 20, 50)
         sid = box.session_id
-    assert not containers_with(engine, f"io.sandman.core.session={sid}")
+    assert not containers_with(engine, f"io.sandman.session={sid}")
 
 
 def _hardening(info: dict[str, object]) -> dict[str, object]:
@@ -151,12 +151,12 @@ def test_cleanup_after_failure_and_keyboard_interrupt(
         assert "sandman audit" in res.stdout  # the failure report carries the sandbox's events
         assert '"event": "exec"' in res.stdout
     [sid] = sid_file.read_text().split()
-    assert not containers_with(engine, f"io.sandman.core.session={sid}")
+    assert not containers_with(engine, f"io.sandman.session={sid}")
 
 
 def test_example_ci_suite_passes_and_leaves_nothing(engine: object, agent_image: str) -> None:
     env = {**os.environ, "TESTCONTAINERS_RYUK_DISABLED": "true"}
-    before = {c["Id"] for c in containers_with(engine, "io.sandman.core.session")}
+    before = {c["Id"] for c in containers_with(engine, "io.sandman.session")}
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "examples" / "ci")],
         env=env,
@@ -167,5 +167,5 @@ def test_example_ci_suite_passes_and_leaves_nothing(engine: object, agent_image:
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "3 passed" in res.stdout
-    after = {c["Id"] for c in containers_with(engine, "io.sandman.core.session")}
+    after = {c["Id"] for c in containers_with(engine, "io.sandman.session")}
     assert not (after - before)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sandman import __version__
-from sandman.backends.docker import ContainerSpec, container_kwargs
+from sandman.backends.base import ContainerSpec
+from sandman.backends.docker import container_kwargs
 from sandman.policy import Resources, Runtime
 
 
@@ -48,11 +49,11 @@ def test_container_kwargs_exact_output() -> None:
         },
         "working_dir": "/workspace",
         "labels": {
-            "io.sandman.core.session": "sm-123",
-            "io.sandman.policy.campaign": "demo",
+            "io.sandman.session": "sm-123",
+            "io.sandman.campaign": "demo",
             "io.sandman.version": __version__,
             "io.sandman.kind": "sandbox",
-            "io.sandman.core.state": "0123abcd4567",
+            "io.sandman.state": "0123abcd4567",
         },
         "hostname": "sandman",
         "stdin_open": False,
