@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 DEFAULT = "docker"
 REGISTRY: dict[str, str] = {
     "docker": "sandman.backends.docker:DockerBackend",
+    "local": "sandman.backends.local:LocalBackend",
 }
 
 
