@@ -56,6 +56,13 @@ class Settings(BaseSettings):
         default="docker",
         description="what runs layer 1: docker, gvisor, podman, podman-rootless or local (see `sandman backends`)",
     )
+    podman_host: str | None = Field(
+        default=None, description="rootful podman API socket; unset means unix:///run/podman/podman.sock"
+    )
+    podman_rootless_host: str | None = Field(
+        default=None, description="rootless podman API socket; unset means podman_user's /run/user/UID/podman"
+    )
+    podman_user: str = Field(default="sandman-podman", description="the user rootless podman runs as")
     docker_host: str | None = Field(
         default=None, description="Docker engine URL; unset means DOCKER_HOST or the local socket"
     )

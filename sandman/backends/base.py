@@ -165,6 +165,11 @@ class Backend(ABC):
     @abstractmethod
     def capabilities(self) -> Capabilities: ...
 
+    @classmethod
+    def workspace_owner(cls, settings: Settings) -> tuple[int, int] | None:
+        """The (uid, gid) a workspace must belong to on this backend; None: any non-root owner."""
+        return None
+
     @abstractmethod
     def versions(self) -> dict[str, Any]:
         """What runs layer 1, for doctor, verify and the probe's cache key."""

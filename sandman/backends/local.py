@@ -58,7 +58,7 @@ from sandman.backends.base import (
     Status,
     labels_for,
 )
-from sandman.core.bwrap import HOME, SANDBOX_PATH, WORKSPACE
+from sandman.core.bwrap import HOME, SANDBOX_PATH, TOOLS_DIR, WORKSPACE
 from sandman.errors import SandboxError, UsageError
 
 BWRAP = "/usr/bin/bwrap"
@@ -102,7 +102,7 @@ def strip_init(command: Sequence[str]) -> list[str]:
     return argv
 
 
-def outer_argv(spec: ContainerSpec, etc_dir: str, *, die_with_parent: bool) -> list[str]:
+def outer_argv(spec: ContainerSpec, etc_dir: str, *, die_with_parent: bool, tools_dir: str | None = None) -> list[str]:
     """Layer 1's bubblewrap argv (pure; the unit tests pin it). The seccomp filter is read from
     fd SECCOMP_FD, bubblewrap's JSON status goes to fd STATUS_FD."""
     res = spec.resources
@@ -137,6 +137,8 @@ def outer_argv(spec: ContainerSpec, etc_dir: str, *, die_with_parent: bool) -> l
     ]  # fmt: skip
     if spec.trusted_dir:
         argv += ["--ro-bind", spec.trusted_dir, TRUSTED_DIR_IN_CONTAINER]
+    if tools_dir:  # sandman-upcall and the gh shim: the image has them in /usr/local/bin
+        argv += ["--ro-bind", tools_dir, TOOLS_DIR]
     for source, target, read_only in spec.extra_mounts:
         argv += ["--ro-bind" if read_only else "--bind", source, target]
     argv += ["--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
@@ -182,6 +184,33 @@ def make_etc(root: Path, uid: int, gid: int) -> Path:
     try:
         os.rename(tmp, path)
     except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+TOOLS = ("sandman-upcall", "gh")
+
+
+def make_tools(root: Path) -> Path:
+    """A host copy of the in-sandbox clients (sandman-upcall, gh), shown at TOOLS_DIR/bin."""
+    from sandman import resources
+
+    blobs = {name: (resources.images_dir() / "base" / name).read_bytes() for name in TOOLS}
+    key = hashlib.sha256(b"".join(n.encode() + b"\0" + b for n, b in sorted(blobs.items()))).hexdigest()[:16]
+    path = root / f"tools-{key}"
+    if path.is_dir() and not path.is_symlink():
+        return path
+    root.mkdir(parents=True, exist_ok=True, mode=0o711)
+    tmp = root / f".tools-{os.getpid()}-{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "bin").mkdir(parents=True, mode=0o755)
+    tmp.chmod(0o755)
+    for name, blob in blobs.items():
+        (tmp / "bin" / name).write_bytes(blob)
+        (tmp / "bin" / name).chmod(0o755)
+    try:
+        os.rename(tmp, path)
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
@@ -321,6 +350,7 @@ class LocalBackend(Backend):
             "One wall: both namespaces are bubblewrap's on the host kernel (no engine, no image); "
             "the agent sees the host's /usr read-only.",
             "/tmp and HOME are capped in size, not in inodes.",
+            "No /sys inside: the host's would list the host's network interfaces.",
         ]
         for e in (support.cpu, support.memory, support.pids):
             if not e.enforced:
@@ -414,7 +444,8 @@ class LocalBackend(Backend):
             raise SandboxError(f"a local sandbox {handle} exists already") from None
         etc = make_etc(Path(self.settings.runtime_dir), spec.uid, spec.gid)
         one_shot = spec.kind in ("sandbox", "probe")
-        argv = outer_argv(spec, str(etc), die_with_parent=one_shot)
+        tools = make_tools(Path(self.settings.runtime_dir))
+        argv = outer_argv(spec, str(etc), die_with_parent=one_shot, tools_dir=str(tools))
         cgroups: dict[str, str] = {}
         rlimits: dict[str, int] = {}
         res = spec.resources

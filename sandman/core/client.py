@@ -38,8 +38,9 @@ def _connect(path: Path) -> socket.socket | None:
 
 
 def _start_controller(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    log = open(path.with_suffix(".log"), "ab")  # noqa: SIM115 - handed to the child
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+    fd = os.open(path.with_suffix(".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    log = os.fdopen(fd, "ab")  # handed to the child
     with log:
         subprocess.Popen(
             [sys.executable, "-m", "sandman.core.controller", "--socket", str(path)],

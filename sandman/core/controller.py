@@ -247,8 +247,10 @@ def _stop_ended_relays() -> None:
 
 
 def serve(path: Path, idle_s: float) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path.parent, 0o700)
+    # 0711: a local-backend sandbox (run as the workspace owner) must search its way to its own
+    # runtime dir; the socket itself is never more than 0600, from its first moment.
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+    os.chmod(path.parent, 0o711)
     lock_file = open(f"{path}.lock", "w")  # noqa: SIM115 - held for the process's life
     try:
         fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -256,7 +258,11 @@ def serve(path: Path, idle_s: float) -> int:
         return 0  # another controller already serves this socket
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-    server = Server(str(path), Handler)
+    old_umask = os.umask(0o177)
+    try:
+        server = Server(str(path), Handler)
+    finally:
+        os.umask(old_umask)
     server.state = _State(idle_s)
     os.chmod(path, 0o600)
     logger.info("controller {} serving on {}", os.getpid(), path)
