@@ -346,7 +346,10 @@ def _verify(settings: Any, policy: str | None, backend: str | None = None) -> di
     os.environ.update(canary)
     try:
         if os.geteuid() == 0:
-            os.chown(scratch, 1000, 1000)
+            from sandman import backends
+
+            owner = backends.backend_class(backend or settings.backend).workspace_owner(settings)
+            os.chown(scratch, *(owner or (1000, 1000)))
         with Sandbox(scratch, policy=policy, settings=settings, backend=backend) as sb, host_listener() as port:
             rows = run_battery(sb, port, host_secrets={**host_secrets_from_env(), **canary})
             versions = runtime_versions(sb.backend)

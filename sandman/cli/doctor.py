@@ -229,9 +229,11 @@ def _probe(runner: Any, image: str) -> Check:
     from sandman.policy import load_policy
 
     with tempfile.TemporaryDirectory(prefix="sandman-doctor-") as tmp:
-        uid = os.geteuid() or 65534
+        owner = runner.backend.workspace_owner(runner.settings)
+        uid, gid = owner or ((os.geteuid() or 65534),) * 2
+        os.chmod(tmp, 0o755)
         if os.geteuid() == 0:
-            os.chown(tmp, uid, uid)
+            os.chown(tmp, uid, gid)
         ws = resolve_workspace(tmp)
         err = bytearray()
         try:

@@ -231,6 +231,7 @@ def run_battery(
             "only": names,
             "host_port": host_listener_port,
             "host_addresses": sandbox.backend.host_addresses(),
+            "backend": sandbox.backend.name,
             "host_workspace": str(sandbox.workspace.path),
             "host_upcall": str(upcall_socket(sandbox.record.runtime_dir).parent),
             "salt": salt,

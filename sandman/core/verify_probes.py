@@ -121,7 +121,18 @@ MOUNT_PREFIXES = ("/sys/", "/dev/", "/proc/")
 # probe's business (it should be remounted read-only).
 RW_MOUNTS = frozenset({"/", "/proc", "/dev", "/tmp", "/home/agent", "/workspace"})
 VIRTUAL_FS = frozenset({"tmpfs", "proc", "sysfs", "devpts", "cgroup", "cgroup2", "mqueue"})
-DOCKER_FILES = re.compile(r"/(?:.+/)?containers/[0-9a-f]{64}/(?:resolv\.conf|hostname|hosts)")
+# The engine's per-container resolv.conf/hostname/hosts: Docker's, or podman's (userdata/).
+DOCKER_FILES = re.compile(
+    r"/(?:.+/)?(?:overlay-)?containers/[0-9a-f]{64}(?:/userdata)?/(?:resolv\.conf|hostname|hosts)"
+)
+# The local backend's layer 1 is bubblewrap on the host: its /etc and tools are sandman's own
+# generated host dirs. There, and in rootless podman (which cannot make device nodes), /dev holds
+# binds of the host's harmless device nodes.
+LOCAL_DIRS = {
+    "/etc": re.compile(r"/(?:.+/)?etc-[0-9a-f]{16}"),
+    "/opt/sandman/tools": re.compile(r"/(?:.+/)?tools-[0-9a-f]{16}"),
+}
+HOST_DEV_NODES = frozenset({"/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"})
 IMAGE_PATHS = frozenset({"/usr", "/etc", "/opt/sandman/tools"})
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -663,6 +674,15 @@ def probe_cgroup_files(p: dict[str, Any]) -> Outcome:
     names = sorted({os.path.basename(f) for f in found})
     missing = sorted(n for n in ("release_agent", "pids.max", "memory.max", "memory.limit_in_bytes") if n not in names)
     readable = next((f for f in found if try_open(f, os.O_RDONLY) == "opened"), None)
+    if not os.path.exists("/sys/fs") and p.get("backend") == "local":
+        # The local backend mounts no /sys at all: nothing to open, and nothing for a control
+        # to find; the control instead shows that the path really is absent.
+        return (
+            "no /sys mounted (local backend): no cgroup control file exists to open",
+            not found,
+            f"/sys/fs/cgroup lookup: {try_open('/sys/fs/cgroup', os.O_RDONLY)}",
+            try_open("/sys/fs/cgroup", os.O_RDONLY) == "ENOENT",
+        )
     return (
         f"{len(found)} control files ({', '.join(names) or 'none'}); opened for writing: "
         f"{', '.join(writable) or 'none'} (errors {', '.join(errors) or '-'}); "
@@ -777,12 +797,17 @@ def _same_host_path(root: str, host_path: str) -> bool:
     return root == "/" or host_path == root or host_path.endswith(root)
 
 
-def mount_violations(mounts: list[dict[str, str]], host_workspace: str, host_upcall: str = "") -> list[str]:
+def mount_violations(
+    mounts: list[dict[str, str]], host_workspace: str, host_upcall: str = "", backend: str = "docker"
+) -> list[str]:
     """The rules: every mount point is one layer 2 makes; only the scratch places and the workspace
     are writable; image content appears only at its own path; the only host paths are the
     workspace, the session's upcall directory (read-only), sandman's own programs (read-only)
-    and Docker's per-container resolv.conf/hostname/hosts files (read-only)."""
+    and the engine's per-container resolv.conf/hostname/hosts files (read-only). On the local
+    backend the "image" is the host's /usr: every other host path must be one of the above, or
+    sandman's generated /etc and tools dirs (read-only), or bubblewrap's /dev nodes."""
     image_dev = next((m["dev"] for m in mounts if m["point"] == "/usr"), None)
+    local = backend == "local"
     bad = []
     for m in mounts:
         point, root, fstype = m["point"], m["root"], m["fstype"]
@@ -792,7 +817,13 @@ def mount_violations(mounts: list[dict[str, str]], host_workspace: str, host_upc
             bad.append(f"unexpected mount point {where}")
         if not ro and point not in RW_MOUNTS and not point.startswith("/dev/"):
             bad.append(f"writable {where}")
-        if m["dev"] == image_dev:
+        if local and point in LOCAL_DIRS:
+            if not LOCAL_DIRS[point].fullmatch(root) or not ro:
+                bad.append(f"{point} is {root} ({m['opts']}), not sandman's read-only host dir")
+        elif backend in ("local", "podman-rootless") and point in HOST_DEV_NODES and fstype == "devtmpfs":
+            if root != point.removeprefix("/dev"):
+                bad.append(f"device node {where} is another node")
+        elif m["dev"] == image_dev and not (local and point != "/usr"):
             if point not in IMAGE_PATHS or root != point:
                 bad.append(f"image content at {where}")
         elif fstype in VIRTUAL_FS:
@@ -818,14 +849,15 @@ def probe_mountinfo(p: dict[str, Any]) -> Outcome:
     with open("/proc/self/mountinfo") as f:
         mounts = parse_mountinfo(f.read())
     host_ws, host_upcall = str(p["host_workspace"]), str(p.get("host_upcall", ""))
-    bad = mount_violations(mounts, host_ws, host_upcall)
+    backend = str(p.get("backend", "docker"))
+    bad = mount_violations(mounts, host_ws, host_upcall, backend)
     ws = [m for m in mounts if m["point"] == "/workspace"]
     host = sorted({m["root"] for m in mounts if m["fstype"] not in VIRTUAL_FS and m["point"] not in IMAGE_PATHS})
     synthetic = parse_mountinfo(
         "900 1 254:0 /var/lib/docker /mnt rw,relatime - ext4 /dev/vda rw\n"
         "901 1 254:0 /home /home/agent rw,relatime - ext4 /dev/vda rw\n"
     )
-    flagged = mount_violations(mounts + synthetic, host_ws, host_upcall)
+    flagged = mount_violations(mounts + synthetic, host_ws, host_upcall, backend)
     return (
         f"{len(mounts)} mounts; host paths exposed: {', '.join(host) or 'none'}; "
         f"violations: {'; '.join(bad) or 'none'}",
