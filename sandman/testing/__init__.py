@@ -90,10 +90,15 @@ def _relay_info(path: str) -> dict[str, Any]:
     return reply
 
 
-def _owned_temp_workspace() -> Path:
+def _owned_temp_workspace(backend: str | None = None, settings: Settings | None = None) -> Path:
     path = Path(tempfile.mkdtemp(prefix="sandman-tc-"))
     if os.geteuid() == 0:  # the sandbox never runs as root: hand the scratch workspace to a user
-        os.chown(path, SANDBOX_UID, SANDBOX_UID)
+        from sandman import backends
+        from sandman.settings import Settings
+
+        settings = settings or Settings.load()
+        owner = backends.backend_class(backend or settings.backend).workspace_owner(settings)
+        os.chown(path, *(owner or (SANDBOX_UID, SANDBOX_UID)))
     return path
 
 
@@ -107,9 +112,11 @@ class SandmanContainer(DockerContainer):
         policy: str | os.PathLike[str] | Policy | None = None,
         campaign: str | None = None,
         settings: Settings | None = None,
+        backend: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(image="sandman/sandbox", **kwargs)
+        self._backend = backend
         self._workspace = Path(workspace) if workspace is not None else None
         self._policy_ref = policy
         self._campaign = campaign
@@ -125,6 +132,11 @@ class SandmanContainer(DockerContainer):
     # -- builders ---------------------------------------------------------------------------
     def with_workspace(self, path: str | os.PathLike[str]) -> Self:
         self._workspace = Path(path)
+        return self
+
+    def with_backend(self, name: str) -> Self:
+        """What runs layer 1: docker (default), gvisor, podman, podman-rootless or local."""
+        self._backend = name
         return self
 
     def with_policy(self, name_or_path: str | os.PathLike[str] | Policy) -> Self:
@@ -176,17 +188,22 @@ class SandmanContainer(DockerContainer):
 
             Reaper.get_instance()
         if self._workspace is None:
-            self._scratch = self._workspace = _owned_temp_workspace()
+            self._scratch = self._workspace = _owned_temp_workspace(self._backend, self._settings)
         workspace = self._workspace.resolve()
         policy = self._effective_policy(workspace)
         labels = create_labels("sandman/sandbox", None)  # testcontainers' session label, for its reaper
         self._sandbox = Sandbox(
-            workspace, policy=policy, campaign=self._campaign, settings=self._settings, labels=labels
+            workspace,
+            policy=policy,
+            campaign=self._campaign,
+            settings=self._settings,
+            labels=labels,
+            backend=self._backend,
         )
         self._finalizer = weakref.finalize(self, _close_quietly, self._sandbox, self._scratch)
         atexit.register(self._finalizer)
         self.image = self._sandbox.record.image
-        self._container = self.get_docker_client().client.containers.get(self._sandbox.record.container_id)
+        self._container = _engine_container(self._sandbox, self.get_docker_client)
         if self._wait_strategy is not None:
             self._wait_strategy.wait_until_ready(self)
         return self
@@ -224,6 +241,19 @@ class SandmanContainer(DockerContainer):
         from sandman.upcall.relay import upcall_socket
 
         return str(upcall_socket(self.sandbox.record.runtime_dir))
+
+
+def _engine_container(sandbox: Sandbox, default_client: Any) -> Any:
+    """The docker-py Container of the sandbox on its engine (Docker's, or podman's compat API);
+    None on the local backend, which has no engine (exec and the workspace work the same)."""
+    base_url = getattr(sandbox.backend, "base_url", None)
+    if base_url is None or not sandbox.record.container_id:
+        return None
+    if sandbox.backend.name in ("docker", "gvisor"):
+        return default_client().client.containers.get(sandbox.record.container_id)
+    import docker
+
+    return docker.DockerClient(base_url=base_url(), version="auto").containers.get(sandbox.record.container_id)
 
 
 def _close_quietly(sandbox: Sandbox, scratch: Path | None) -> None:

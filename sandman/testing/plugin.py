@@ -24,11 +24,13 @@ _USED = pytest.StashKey[list[Any]]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("sandman_policy", "policy name (default, strict) or file for sandman fixtures", default="")
     parser.addini("sandman_workspace", "workspace directory for sandman fixtures (default: a scratch dir)", default="")
+    parser.addini("sandman_backend", "backend for sandman fixtures (default: the `backend` setting)", default="")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "sandman(policy=None, workspace=None, cpus=None, memory=None, pids=None): sandman fixture options"
+        "markers",
+        "sandman(policy=, workspace=, backend=, cpus=, memory=, pids=): sandman fixture options",
     )
 
 
@@ -36,6 +38,8 @@ def _options(node: pytest.Item | None, config: pytest.Config, overrides: dict[st
     opts: dict[str, Any] = {}
     if config.getini("sandman_policy"):
         opts["policy"] = config.getini("sandman_policy")
+    if config.getini("sandman_backend"):
+        opts["backend"] = config.getini("sandman_backend")
     if config.getini("sandman_workspace"):
         opts["workspace"] = str(Path(str(config.rootpath)) / config.getini("sandman_workspace"))
     if node is not None:
@@ -49,7 +53,7 @@ def _options(node: pytest.Item | None, config: pytest.Config, overrides: dict[st
 def _start(opts: dict[str, Any]) -> Any:
     from sandman.testing import SandmanContainer
 
-    box = SandmanContainer(opts.get("workspace"), policy=opts.get("policy"))
+    box = SandmanContainer(opts.get("workspace"), policy=opts.get("policy"), backend=opts.get("backend"))
     limits = {k: opts[k] for k in ("cpus", "memory", "pids") if opts.get(k) is not None}
     if limits:
         box.with_limits(**limits)

@@ -188,3 +188,24 @@ def test_doctor_verify_passes(backend: str) -> None:
     bad = [p for p in report["verify"]["probes"] if not (p["passed"] and p["control_passed"])]
     assert not bad, json.dumps(bad, indent=1)[:3000]
     assert done.returncode == 0
+
+
+def test_sandman_container_takes_a_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The testcontainers module on each backend: `SandmanContainer(backend=B)` execs through
+    sandman's layers; on an engine backend its docker-py Container is the sandbox's."""
+    from testcontainers.core.config import testcontainers_config
+
+    from sandman.testing import SandmanContainer
+
+    monkeypatch.setattr(testcontainers_config, "ryuk_disabled", True)  # no registry here: no reaper image
+
+    with SandmanContainer(backend=backend) as box:
+        res = box.exec("echo hi > made; cat made")
+        assert (res.exit_code, res.stdout) == (0, b"hi\n")
+        assert box.sandbox.record.backend == backend
+        assert (box.workspace / "made").read_text() == "hi\n"
+        if backend == "local":
+            assert box._container is None
+        else:
+            assert box._container is not None and box._container.id == box.sandbox.record.container_id
+    assert not box.workspace.exists()  # the scratch workspace is removed with the sandbox
