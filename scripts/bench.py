@@ -17,7 +17,11 @@
                and p99 (target median <= 5 ms), against a bare `python3 -c pass`-free baseline:
                the same client loop against an echo server in the same sandbox
 
-Usage: scripts/bench [--runs N] [--json FILE]
+  --backend B  per backend (docker, gvisor, podman, podman-rootless, local, or all; repeatable):
+               cold run and session exec against that backend's own raw baseline, with a PNG
+               plot of the latency distributions (scripts/bench_backends.py)
+
+Usage: scripts/bench [--runs N] [--json FILE] [--backend B ...]
 """
 
 from __future__ import annotations
@@ -303,7 +307,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--json", type=Path, default=ROOT / "bench-results" / "latest.json")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        metavar="NAME",
+        help="benchmark these backends against their raw baselines (or 'all') instead of the full set",
+    )
     ns = parser.parse_args()
+    if ns.backend:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from bench_backends import main as backends_main
+
+        return backends_main(ns.backend, ns.runs, ns.json.parent)
     with tempfile.TemporaryDirectory(prefix="sandman-bench-") as tmp_s:
         tmp = Path(tmp_s)
         os.chmod(tmp, 0o755)
