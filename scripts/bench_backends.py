@@ -99,6 +99,11 @@ def _bare_exec(backend: str, image: str) -> tuple[Callable[[], None], Callable[[
     kwargs: dict[str, Any] = {"network_mode": "none", "labels": {"io.sandman.bench": "1"}}
     if backend == "gvisor":
         kwargs["runtime"] = "runsc"
+    if backend == "podman":  # as for `podman run`: within this host's limits
+        kwargs["ulimits"] = [
+            docker.types.Ulimit(name="nofile", soft=1024, hard=1024),
+            docker.types.Ulimit(name="nproc", soft=4096, hard=4096),
+        ]
     bare = client.containers.run(image, ["sleep", "infinity"], detach=True, **kwargs)
 
     def one() -> None:
@@ -209,7 +214,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         for patch, color in zip(parts["boxes"], colors, strict=True):
             patch.set_facecolor(color)
             patch.set_alpha(0.6)
-        ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=7)
+        ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=7, rotation=30, ha="right")
         ax.set_ylabel(unit)
         ax.set_title("cold `run -- true`" if key == "run_cold" else "session exec `true`")
         ax.grid(axis="y", alpha=0.3)
