@@ -43,6 +43,8 @@ def backends_in_use(store: StateStore, default: Backend) -> list[Backend]:
 
     found = [default]
     for name in sorted({r.backend for r in store.sessions(live_only=True)} - {default.name}):
+        if name not in backends.REGISTRY:  # a record from another sandman version: leave it be
+            continue
         cls = backends.backend_class(name)
         if cls.availability(default.settings).available:
             found.append(cls(default.settings))
