@@ -1,5 +1,9 @@
 """The local backend: no container engine; bubblewrap on the host.
 
+One module on purpose: the outer bubblewrap argv, the generated /etc and tools dir and the backend
+class that creates, starts and kills it must agree path for path; limits and seccomp compilation
+already live apart (local_limits, local_seccomp).
+
 Layer 1 here is an outer bubblewrap namespace built to look like sandman's container to the code
 that runs in it: the host's /usr read-only (no image), a generated minimal /etc, a fresh /proc and
 /dev, size-capped tmpfs /tmp and HOME, the workspace at /workspace, the runtime dir at

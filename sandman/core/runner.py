@@ -1,5 +1,9 @@
 """``sandman run``: one command in a fresh two-layer sandbox, streamed live, then torn down.
 
+One module on purpose: ``Runner`` (about 400 lines) and the pieces of its run path (exit
+classification, cancellation, the idle-tick pump, the runtime dir) are read together when following
+a run from start to teardown.
+
 The container's main process is tini -> bwrap -> the command, so the container lives exactly as
 long as the command; teardown is a forced remove (SIGKILL to every process in it), which is fast
 even when the command ignores SIGTERM.

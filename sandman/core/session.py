@@ -1,5 +1,9 @@
 """Sessions: long-lived sandboxes you create once and exec in many times.
 
+One module on purpose: it is mostly the ``Sandbox`` class (create, attach, exec streaming, update,
+teardown), whose methods share the session record, the control socket and the relay; the functions
+after it are its small helpers.
+
 The session container's main process is sandman's supervisor (images/base/supervisor.py), which
 listens on a control socket in the session's runtime dir. An exec is one Unix-socket round trip
 to it plus bubblewrap's start, not a ``docker exec``. The socket's directory is bound into the

@@ -1,5 +1,9 @@
 """The in-sandbox half of ``sandman.core.verify``: escape probes, each with a positive control.
 
+One file on purpose: its source is read whole and sent over stdin to a stdlib-only python3 in the
+sandbox, so it cannot import siblings; splitting it would mean shipping and reassembling several
+files.
+
 This file is never imported on the host: ``sandman.core.verify`` sends its source on the stdin of
 ``python3 -I -S -c BOOT`` inside a sandbox session (both layers), preceded by one JSON line of
 parameters (the host listener's port, the host workspace path, the host secrets to look for).

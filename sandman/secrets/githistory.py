@@ -3,6 +3,9 @@
 such file version so sandbox start can scrub it (``secrets_from``), refuse, or audit it
 (``filesystem.git_history``).
 
+One module on purpose: it is one scan pipeline whose cache key, git listings and cache format must
+change together, or a stale cache would hide a file.
+
 What counts as "in the history" is everything the agent can reach with git in the sandbox:
 
 * every commit reachable from any ref (branches, tags, ``refs/stash`` with its index and

@@ -1,5 +1,9 @@
 """Secret scrubbing and leak detection for everything a sandboxed command prints.
 
+One module on purpose: the automaton's needles, the views, ``Scrubber`` (about 580 lines by itself)
+and its stream form share the encoding arithmetic (base64 and base32 cores, mixed characters, window
+and line cuts) that must agree byte for byte; only the credential pattern table could stand apart.
+
 Two kinds of secrets are caught, plain and encoded (base64 standard and URL-safe, with or without
 padding; URL percent-encoding; hex in either case; for known secrets also base32, upper case as
 ``base32`` and RFC 4648 write it), also when the text is dressed up the cheap, common ways (see

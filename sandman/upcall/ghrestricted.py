@@ -1,5 +1,9 @@
 """gh-restricted: the host-side front for the GitHub CLI that sandboxed agents reach through an upcall.
 
+One module on purpose: the command table is what both the pflag parser and the policy read (a flag
+known to one and not the other is a hole), and a gh command's whole path, table, parse, decide,
+execute, is reviewed as one.
+
 ``parse_gh_args`` reads a gh command line the way gh (cobra/pflag) does, ``decide`` applies the session's
 rules (see "Policy" below), and ``execute`` runs the real gh from the normalized request only.
 """

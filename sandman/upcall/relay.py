@@ -1,5 +1,9 @@
 """The upcall relay: the host side of the sandbox's only door out.
 
+One module on purpose: the per-session relay process, the bulkheads it enforces (budgets, log gate,
+auditor, scan worker) and the host that spawns, feeds and revives it share the context hand-off and
+the boot protocol, and the measurements below describe them as one design.
+
 One relay per session listens on ``upcall.sock`` in the session's runtime dir (the directory, not
 the socket, is bound into both layers, so a restarted relay is found again). JSON-RPC 2.0, one
 object per line, bounded frames, standard error codes, many concurrent connections, a per-call

@@ -20,6 +20,8 @@ from click.testing import CliRunner
 from sandman.cli import app
 from sandman.core import poison
 from sandman.core.poison import Baseline, Finding, parse_git_config, quarantine, scan_workspace, take_baseline
+from sandman.core.poison.model import _parts_of
+from sandman.core.poison.quarantining import _copy_then_unlink
 
 GIT_ENV = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_TERMINAL_PROMPT": "0"}
 
@@ -441,7 +443,7 @@ def test_quarantine_never_goes_through_a_symlink(tmp_path: Path) -> None:
     assert report.files[0].method == "failed"
     assert (victim / ".git" / "config").exists()
     with pytest.raises(ValueError):
-        poison._parts_of("../etc/passwd")
+        _parts_of("../etc/passwd")
 
 
 def test_copy_then_unlink_when_rename_cannot(tmp_path: Path) -> None:
@@ -450,7 +452,7 @@ def test_copy_then_unlink_when_rename_cannot(tmp_path: Path) -> None:
     (tmp_path / "a" / "f").write_bytes(b"data")
     src, dst = os.open(tmp_path / "a", os.O_RDONLY), os.open(tmp_path / "b", os.O_RDONLY)
     try:
-        poison._copy_then_unlink(src, "f", dst, "f", os.stat("f", dir_fd=src, follow_symlinks=False))
+        _copy_then_unlink(src, "f", dst, "f", os.stat("f", dir_fd=src, follow_symlinks=False))
     finally:
         os.close(src)
         os.close(dst)
