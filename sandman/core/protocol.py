@@ -36,7 +36,17 @@ def runtime_root() -> Path:
 def controller_key() -> str:
     """Identifies a controller compatible with this client: same code, same environment."""
     package = Path(sandman.__file__).parent
-    stamp = max((e.stat().st_mtime_ns for e in os.scandir(package) if e.name.endswith(".py")), default=0)
+    # Every module of the package, subpackages included: a controller running older code of any
+    # layer is not this client's (about 70 files: well under a millisecond).
+    stamp = max(
+        (
+            os.stat(os.path.join(root, name)).st_mtime_ns
+            for root, _dirs, files in os.walk(package)
+            for name in files
+            if name.endswith(".py")
+        ),
+        default=0,
+    )
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith("SANDMAN_") or k in _ENV_KEYS)
     h = hashlib.sha256(f"{sandman.__version__}\0{package}\0{stamp}\0{os.getuid()}".encode())
     h.update(json.dumps(env).encode())

@@ -250,3 +250,22 @@ def test_policy_from_toml_like_data() -> None:
     )
     assert not check_command(["git", "push", "origin", "+main"], policy).allowed
     assert check_command(["python3", "-c", "import os"], policy).allowed
+
+
+def test_a_change_in_any_subpackage_makes_a_new_controller_key() -> None:
+    """The client must not talk to a controller running older code of any layer (the package
+    is regrouped in subpackages: a top-level-only stamp would miss them)."""
+    import os
+    from pathlib import Path
+
+    import sandman
+    from sandman.core.protocol import controller_key
+
+    deep = Path(sandman.__file__).parent / "core" / "poison" / "model.py"
+    before, st = controller_key(), deep.stat()
+    try:
+        os.utime(deep, ns=(st.st_atime_ns, st.st_mtime_ns + 10**12))
+        assert controller_key() != before
+    finally:
+        os.utime(deep, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert controller_key() == before
