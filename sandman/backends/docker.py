@@ -77,6 +77,9 @@ def container_kwargs(spec: ContainerSpec) -> dict[str, Any]:
             {"Name": "fsize", "Soft": fsize, "Hard": fsize},
             {"Name": "nofile", "Soft": res.open_files, "Hard": res.open_files},
             {"Name": "core", "Soft": 0, "Hard": 0},
+            # POSIX message queues are counted per host uid: none, so one sandbox cannot use up
+            # the budget of the user's other sandboxes and processes.
+            {"Name": "msgqueue", "Soft": 0, "Hard": 0},
         ],
         "LogConfig": {"Type": "json-file", "Config": {"max-size": LOG_MAX_SIZE, "max-file": LOG_MAX_FILE}},
         "Mounts": [

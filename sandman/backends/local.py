@@ -540,6 +540,7 @@ class LocalBackend(Backend):
             resource.setrlimit(resource.RLIMIT_FSIZE, (ulimits["fsize"], ulimits["fsize"]))
             resource.setrlimit(resource.RLIMIT_NOFILE, (ulimits["nofile"], ulimits["nofile"]))
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))  # counted per host uid: none
             if drop:
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)

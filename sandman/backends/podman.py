@@ -94,7 +94,7 @@ def podman_adjust(
     hc["UsernsMode"] = f"keep-id:uid={AGENT_UID},gid={AGENT_UID}"
     kw["user"] = f"{AGENT_UID}:{AGENT_UID}"
     hc.pop("Ulimits", None)
-    flags = {"fsize": "--fsize", "nofile": "--nofile", "core": "--core"}
+    flags = {"fsize": "--fsize", "nofile": "--nofile", "core": "--core", "msgqueue": "--msgqueue"}
     limits = [f"{flags[u['Name']]}={u['Soft']}:{u['Hard']}" for u in ulimits if u["Name"] in flags]
     kw["command"] = ["/usr/bin/prlimit", *limits, f"--nproc={pids}:{pids}", "--", *kw["command"]]
     return kw

@@ -36,6 +36,19 @@ def parse_reserve(value: str | int) -> tuple[int, float]:
     return parse_size(value), 0.0
 
 
+def parse_inode_reserve(value: str | int) -> tuple[int, float]:
+    """(inodes, fraction) of an inode reserve written as a count ("100000") or a share ("5%")."""
+    text = str(value).strip()
+    if m := _PERCENT.match(text):
+        share = float(m.group(1))
+        if not 0 <= share < 100:
+            raise ValueError("a percentage reserve must be between 0 and 100")
+        return 0, share / 100
+    if not text.isdigit():
+        raise ValueError(f"expected a number of inodes or a share such as 5%, not {text!r}")
+    return int(text), 0.0
+
+
 @dataclass(frozen=True)
 class Mechanism:
     name: str  # "project-quota" or "watchdog"
@@ -93,6 +106,8 @@ class DiskWatch:
         reserve: str | int | None,
         on_exceed: Callable[[str], None],
         interval: float = SAMPLE_S,
+        inode_quota: int | None = None,
+        inode_reserve: str | int | None = None,
     ) -> None:
         self.path = str(path)
         self.quota = quota
@@ -101,6 +116,12 @@ class DiskWatch:
         self.free0 = st.f_bavail * st.f_frsize
         reserve_bytes, share = parse_reserve(reserve) if reserve not in (None, "", 0) else (0, 0.0)
         self.reserve = max(reserve_bytes, int(self.total * share))
+        # Inodes too: empty files use no blocks, and a filesystem out of inodes fails every
+        # program that creates a file on it (sandman, the engine, other sessions).
+        self.inode_quota = inode_quota if st.f_files else None  # 0 files: no inode accounting (btrfs)
+        self.ifree0 = st.f_favail
+        inodes, ishare = parse_inode_reserve(inode_reserve) if inode_reserve not in (None, "", 0) else (0, 0.0)
+        self.inode_reserve = max(inodes, int(st.f_files * ishare)) if st.f_files else 0
         self.on_exceed = on_exceed
         self.interval = interval
         self.reason: str | None = None
@@ -113,7 +134,7 @@ class DiskWatch:
         return self.reason is not None
 
     def start(self) -> DiskWatch:
-        if self.quota is not None or self.reserve:
+        if self.quota is not None or self.reserve or self.inode_quota is not None or self.inode_reserve:
             self._thread.start()
         return self
 
@@ -134,6 +155,17 @@ class DiskWatch:
             return (
                 f"the workspace's filesystem has {free >> 20} MiB free, under the host reserve "
                 f"(resources.host_reserve, {self.reserve >> 20} MiB)"
+            )
+        created = self.ifree0 - st.f_favail
+        if self.inode_quota is not None and created > self.inode_quota:
+            return (
+                f"{created} files were created on the workspace's filesystem, over "
+                f"resources.workspace_inode_quota ({self.inode_quota})"
+            )
+        if self.inode_reserve and st.f_favail < self.inode_reserve:
+            return (
+                f"the workspace's filesystem has {st.f_favail} free inodes, under the host reserve "
+                f"(resources.host_inode_reserve, {self.inode_reserve})"
             )
         return None
 

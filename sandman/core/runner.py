@@ -520,6 +520,8 @@ class Runner:
                         policy.resources.workspace_quota,
                         policy.resources.host_reserve,
                         lambda _r: cancel.fire(),
+                        inode_quota=policy.resources.workspace_inode_quota,
+                        inode_reserve=policy.resources.host_inode_reserve,
                     ).start()
                 watch = backend.counters(container_id)
                 cap = OutputCap(policy.resources.max_output, stderr)

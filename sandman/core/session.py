@@ -550,7 +550,14 @@ class Sandbox:
         before = watch.read()
         sock = self._connect()
         res = self.policy.resources
-        disk = DiskWatch(self.workspace.path, res.workspace_quota, res.host_reserve, lambda _r: _send_kill(sock))
+        disk = DiskWatch(
+            self.workspace.path,
+            res.workspace_quota,
+            res.host_reserve,
+            lambda _r: _send_kill(sock),
+            inode_quota=res.workspace_inode_quota,
+            inode_reserve=res.host_inode_reserve,
+        )
         with sock, _removed_after(env_file), disk:
             sock.sendall(json.dumps(request).encode() + b"\n")
             if stdin is not None:

@@ -95,6 +95,22 @@ class Resources(_Strict):
     host_reserve: str = Field(
         default="1g", description="free space always left on the workspace's filesystem: a size (2g) or a share (5%)"
     )
+    workspace_inode_quota: int | None = Field(
+        default=1_000_000, ge=1, description="files a command may create on the workspace's filesystem; then disk-quota"
+    )
+    host_inode_reserve: str = Field(
+        default="5%", description="free inodes always left on the workspace's filesystem: a count or a share (5%)"
+    )
+
+    @field_validator("host_inode_reserve", mode="before")
+    @classmethod
+    def _inode_reserve(cls, value: object) -> str:
+        from sandman.core.quota import parse_inode_reserve
+
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError("expected a number of inodes such as 100000 or a share such as 5%")
+        parse_inode_reserve(str(value))
+        return str(value)
 
     @field_validator("host_reserve", mode="before")
     @classmethod
@@ -359,6 +375,11 @@ def _loosening(key: str, op: Policy, cp: Policy) -> str | None:
         from sandman.core.quota import parse_reserve
 
         (ob, of), (nb, nf) = parse_reserve(old), parse_reserve(new)
+        return None if nb >= ob and nf >= of else f"operator: {old}, campaign: {new} (a smaller reserve)"
+    if key == "resources.host_inode_reserve":
+        from sandman.core.quota import parse_inode_reserve
+
+        (ob, of), (nb, nf) = parse_inode_reserve(old), parse_inode_reserve(new)
         return None if nb >= ob and nf >= of else f"operator: {old}, campaign: {new} (a smaller reserve)"
     if section == "resources":
         if old is None:

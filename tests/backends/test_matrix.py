@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -209,3 +210,25 @@ def test_sandman_container_takes_a_backend(backend: str, monkeypatch: pytest.Mon
         else:
             assert box._container is not None and box._container.id == box.sandbox.record.container_id
     assert not box.workspace.exists()  # the scratch workspace is removed with the sandbox
+
+
+MQ_PROBE = (
+    "import ctypes, os\n"
+    "lib = ctypes.CDLL('librt.so.1', use_errno=True)\n"
+    "fd = lib.mq_open(b'/sandman-probe-%d' % os.getpid(), os.O_CREAT | os.O_RDWR, 0o600, None)\n"
+    "print('opened' if fd >= 0 else os.strerror(ctypes.get_errno()))\n"
+    "fd >= 0 and lib.mq_unlink(b'/sandman-probe-%d' % os.getpid())\n"
+)
+
+
+def test_posix_message_queues_are_not_a_shared_budget(backend: str) -> None:
+    """POSIX message queues are counted per host uid (a red-team round used up the user's whole
+    budget from one sandbox): every backend sets RLIMIT_MSGQUEUE to 0. Control: the same probe
+    opens a queue on the host."""
+    ws = workspace(backend)
+    if caps(backend).notes and any("msgqueue" in n for n in caps(backend).notes):
+        pytest.skip("this backend states it cannot limit message queues")
+    res = Runner(backend=backend).run(["python3", "-c", MQ_PROBE], ws, timeout=60, stdout=(out := bytearray()).extend)
+    assert res.exit_code == 0 and out.decode().strip() == "Too many open files", out
+    host = subprocess.run([sys.executable, "-c", MQ_PROBE], capture_output=True, text=True, timeout=60)
+    assert host.stdout.strip() == "opened", host

@@ -126,3 +126,55 @@ def test_fallocate_cannot_reserve_past_the_quota_between_two_samples(
     print(f"fallocate: {total >> 20} MiB allocated (quota {QUOTA >> 20} MiB), cause {res.cause}")
     assert total < QUOTA + OVERSHOOT
     assert res.cause == ExitCause.DISK_QUOTA
+
+
+MAKE_FILES = "import os\nfor i in range({n}): open(f'e{{i}}', 'w').close()\nprint('made', {n})"
+
+
+@pytest.fixture
+def inode_ws(tmp_path: Path) -> Path:
+    tmp_path.chmod(0o755)
+    root = tmp_path / "iws"
+    (root / ".sandman").mkdir(parents=True)
+    (root / ".sandman" / "policy.toml").write_text("[resources]\nworkspace_inode_quota = 3000\n")
+    return make_workspace(root)
+
+
+def test_empty_files_cannot_exhaust_the_inodes_past_the_quota(
+    engine: object, agent_image: str, inode_ws: Path, settings: Settings
+) -> None:
+    """Empty files use inodes, not blocks: the watchdog counts both (a red-team round filled a
+    filesystem's inodes with 0.4 MB of blocks). The positive control: fewer files than the quota
+    are made in full, with cause exit."""
+    env = {**os.environ, "SANDMAN_IN_PROCESS": "1"}
+
+    def run(n: int) -> dict[str, object]:
+        proc = subprocess.run(
+            [*SANDMAN, "run", "-w", str(inode_ws), "--json", "--", "python3", "-c", MAKE_FILES.format(n=n)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return result
+
+    control = run(500)
+    assert control["cause"] == "exit" and control["exit_code"] == 0
+    assert len(list(inode_ws.glob("e*"))) == 500
+    for p in inode_ws.glob("e*"):
+        p.unlink()
+    attack = run(2_000_000)
+    assert attack["cause"] == "disk-quota", attack
+    made = len(list(inode_ws.glob("e*")))
+    assert 3000 <= made < 200_000  # stopped soon after the quota (100 ms at ~30k files/s, plus slack)
+
+
+def test_the_inode_reserve_is_checked_on_every_sample(tmp_path: Path) -> None:
+    """The host inode reserve alone stops a command: a reserve above what is free trips at once."""
+    from sandman.core.quota import DiskWatch
+
+    free = os.statvfs(tmp_path).f_favail
+    tripped = DiskWatch(tmp_path, None, None, lambda _r: None, inode_reserve=str(free + 10**6)).check()
+    assert tripped is not None and "free inodes" in tripped
+    assert DiskWatch(tmp_path, None, None, lambda _r: None, inode_reserve="0").check() is None  # control

@@ -77,6 +77,7 @@ def test_container_kwargs_exact_output() -> None:
                 {"Name": "fsize", "Soft": 512 << 20, "Hard": 512 << 20},
                 {"Name": "nofile", "Soft": 2048, "Hard": 2048},
                 {"Name": "core", "Soft": 0, "Hard": 0},
+                {"Name": "msgqueue", "Soft": 0, "Hard": 0},
             ],
             "LogConfig": {"Type": "json-file", "Config": {"max-size": "10m", "max-file": "2"}},
             "Mounts": [
