@@ -71,6 +71,43 @@ def guard_request(spec: BwrapSpec) -> dict[str, object]:
     }
 
 
+# gVisor (whose runsc cannot run bubblewrap): the supervisor builds layer 2 from this plan.
+WORKSPACE_RO = "/run/sandman/wsro"  # the workspace bound read-only: source of read-only binds
+CONTROL_DIR = "/run/sandman/control"
+ENV_DIR = "/run/sandman/env"
+
+
+def supervisor_plan(spec: BwrapSpec, uid: int, gid: int) -> dict[str, object]:
+    """The gVisor mode's request (images/base/supervisor.py ``enter_namespaces``): the same
+    spec as ``bwrap_argv``, as what the supervisor mounts, in order, by path. The host decides
+    every path, mask, id and variable; the supervisor only executes it."""
+    env = dict(spec.env)
+    # gVisor has no Landlock: the allowlist is advisory there (warned at start), never half-applied.
+    env.pop("SANDMAN_EXEC_ALLOW", None)
+    env.pop("SANDMAN_EXEC_ALLOW_REQUIRED", None)
+    if spec.masks or spec.read_only or spec.pinned:
+        env["SANDMAN_GUARD"] = GUARD_PLACEHOLDER
+    return {
+        "ns": {
+            "uid": uid,
+            "gid": gid,
+            "command": list(spec.command),
+            "env": env,
+            "env_file": spec.env_file,  # read by the supervisor as the uid, before it is covered
+            "cwd": spec.cwd,
+            "workspace_ro": WORKSPACE_RO,
+            "empty": EMPTY_FILE,
+            "masks": [[path, is_dir] for path, is_dir in spec.masks],
+            "tmp": spec.tmp_source,
+            "home": [spec.home_source, spec.home],
+            # Covered by an empty read-only tmpfs last: the supervisor's socket, every exec's
+            # env file, the read-only view of the (unmasked) workspace.
+            "cover": [CONTROL_DIR, ENV_DIR, WORKSPACE_RO],
+        },
+        "guard": guard_request(spec),
+    }
+
+
 def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment every sandboxed command starts from; nothing is inherited."""
     env = {"PATH": SANDBOX_PATH, "HOME": HOME, "LANG": "C.UTF-8", "TERM": "xterm-256color"}
