@@ -36,6 +36,7 @@ are refused outside it. See ``enter_namespaces``.
 from __future__ import annotations
 
 import argparse
+import base64
 import ctypes
 import errno
 import fcntl
@@ -159,7 +160,8 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x40000000,
 )
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND = 1, 2, 4, 8, 4096
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP = 1, 24
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PTRACE_DETACH = 1, 24, 17
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 COVER_OPTS = "size=4k,mode=555"
 
 
@@ -208,6 +210,24 @@ def drop_privileges(libc: ctypes.CDLL, uid: int, gid: int) -> None:
         raise OSError(ctypes.get_errno(), "capset")
     if os.getuid() == 0 or os.geteuid() == 0 or os.getgid() == 0 or os.getegid() == 0:
         raise OSError(errno.EPERM, "still root after dropping privileges")
+
+
+def load_seccomp(libc: ctypes.CDLL, bpf: bytes) -> None:
+    """The host's compiled filter (``struct sock_filter[]``) on this process and its children."""
+    if not bpf:
+        return
+    if len(bpf) % 8:
+        raise OSError(errno.EINVAL, "the seccomp filter is not a whole number of instructions")
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = Fprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
 
 
 def read_env_file(path: str) -> dict[str, str]:
@@ -292,6 +312,7 @@ def enter_namespaces(request: dict) -> tuple[list[str], dict[str, str], int]:
             os.setsid()
             os.fchdir(cwd)
             os.close(cwd)
+            load_seccomp(libc, base64.b64decode(ns.get("seccomp") or ""))
             return [SANDBOX_EXEC, *(str(a) for a in ns["command"])], env, -1
         os.close(cwd)
         os._exit(reap_until(child))
@@ -313,7 +334,10 @@ def reap_until(child: int) -> int:
             return 127
         except InterruptedError:
             continue
-        if pid == child:
+        if os.WIFSTOPPED(status):  # the command made this process its tracer (PTRACE_TRACEME)
+            _libc().ptrace(PTRACE_DETACH, pid, None, ctypes.c_void_p(os.WSTOPSIG(status)))
+            continue
+        if pid == child and (os.WIFEXITED(status) or os.WIFSIGNALED(status)):
             code = os.waitstatus_to_exitcode(status)
             return code if code >= 0 else 128 - code
 
@@ -329,9 +353,10 @@ def run_plan(request: dict) -> None:
     while True:
         try:
             _, status = os.waitpid(pid1, 0)
-            break
         except InterruptedError:
             continue
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            break
     code = os.waitstatus_to_exitcode(status)
     os._exit(code if code >= 0 else 128 - code)
 
@@ -549,17 +574,21 @@ class Supervisor:
         self.idle_s = idle_s
         self.started = self.last_active = time.monotonic()
         self.lifetime_s = lifetime_s
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if gvisor is not None:
             # Root here has no CAP_DAC_OVERRIDE: the control dir is the workspace uid's (0700).
             with Creds(*gvisor):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
                 self.listener.bind(path)
                 os.chmod(path, 0o600)
         else:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
             self.listener.bind(path)
             os.chmod(path, 0o600)
         self.listener.listen(128)

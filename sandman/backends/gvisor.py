@@ -95,22 +95,25 @@ class GVisorBackend(DockerBackend):
         return Capabilities(
             walls=self.WALLS,
             layer2=False,
-            limits=("cpus", "memory", "pids"),
+            limits=("cpus", "memory"),
             live_update=False,
             notes=(
                 "One wall: gVisor's kernel. bubblewrap cannot run in this runsc; per-exec namespaces and masks "
                 "are built by sandman's supervisor inside gVisor, so they are gVisor's too, not a second wall.",
                 "No Landlock (ENOSYS in gVisor): a policy's command allowlist is advisory (checked on the "
                 "top-level command only).",
-                "sandman's seccomp profile is not enforced by this runsc (no --oci-seccomp: it turns every "
-                "refusal into EPERM and breaks threads); syscalls reach gVisor's kernel, not the host's, and "
-                "/proc/self/status shows Seccomp: 0 and no NoNewPrivs line (prctl says no_new_privs is 1).",
+                "seccomp: the container's profile is not enforced by this runsc (without --oci-seccomp; with "
+                "it every refusal is EPERM and threads break), so the supervisor runs unfiltered inside gVisor; "
+                "every command runs under sandman's layer-2 profile (no user namespaces, no mount), which the "
+                "supervisor loads and gVisor's kernel enforces.",
+                "gVisor's /proc/self/status has no NoNewPrivs line (prctl(PR_GET_NO_NEW_PRIVS) is 1).",
                 "Read-only and pinned workspace paths are enforced from a read-only view of the workspace; "
                 "MS_RDONLY on a bind is ignored by this gVisor, so nothing else can be made read-only.",
                 "memory: an OOM kills the whole sandbox, so a session ends with the command.",
-                "pids: the cgroup cap counts gVisor's own host threads, so it is scaled "
-                f"({SENTRY_THREADS_BASE} + {SENTRY_THREADS_PER_PROCESS} x pids); the agent's process cap is "
-                "RLIMIT_NPROC (per sandbox in gVisor): a fork bomb gets EAGAIN and ends by the timeout.",
+                "pids: the agent's process cap is RLIMIT_NPROC (= pids, counted per sandbox by gVisor): a fork "
+                "bomb gets EAGAIN, but the host cannot see that hit, so it ends as exit or timeout, never as "
+                "pids-limit; the cgroup cap counts gVisor's own host threads and is scaled "
+                f"({SENTRY_THREADS_BASE} + {SENTRY_THREADS_PER_PROCESS} x pids) as a backstop.",
                 "Limits cannot change on a running sandbox (runsc has no `update`): start a new session.",
                 "/tmp and HOME are capped in size, not in inodes (gVisor ignores nr_inodes).",
                 "This runsc's statx(AT_NO_AUTOMOUNT) fails with EINVAL: coreutils `stat` and `ls PATH` "

@@ -12,6 +12,7 @@ and every guarded destination is re-checked inside the namespace by the exec shi
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -77,7 +78,7 @@ CONTROL_DIR = "/run/sandman/control"
 ENV_DIR = "/run/sandman/env"
 
 
-def supervisor_plan(spec: BwrapSpec, uid: int, gid: int) -> dict[str, object]:
+def supervisor_plan(spec: BwrapSpec, uid: int, gid: int, seccomp_bpf: bytes = b"") -> dict[str, object]:
     """The gVisor mode's request (images/base/supervisor.py ``enter_namespaces``): the same
     spec as ``bwrap_argv``, as what the supervisor mounts, in order, by path. The host decides
     every path, mask, id and variable; the supervisor only executes it."""
@@ -103,6 +104,8 @@ def supervisor_plan(spec: BwrapSpec, uid: int, gid: int) -> dict[str, object]:
             # Covered by an empty read-only tmpfs last: the supervisor's socket, every exec's
             # env file, the read-only view of the (unmasked) workspace.
             "cover": [CONTROL_DIR, ENV_DIR, WORKSPACE_RO],
+            # Classic BPF loaded right before the exec shim (gVisor enforces a guest's filter).
+            "seccomp": base64.b64encode(seccomp_bpf).decode(),
         },
         "guard": guard_request(spec),
     }

@@ -645,8 +645,21 @@ def layer2_request(spec: bwrap.BwrapSpec, ws: Workspace, mode: str) -> dict[str,
     """What the supervisor needs to start one command: bubblewrap's argv and the guard, or (a
     backend whose ``layer2_mode`` is "gvisor") the namespace plan."""
     if mode == "gvisor":
-        return bwrap.supervisor_plan(spec, ws.uid, ws.gid)
+        bpf = exec_filter("SANDMAN_EXEC_ALLOW" in spec.env)
+        return bwrap.supervisor_plan(spec, ws.uid, ws.gid, seccomp_bpf=bpf)
     return {"argv": bwrap.bwrap_argv(spec), "guard": bwrap.guard_request(spec)}
+
+
+@functools.lru_cache(maxsize=2)
+def exec_filter(exec_allowlist: bool) -> bytes:
+    """The compiled (classic BPF) layer-2 seccomp filter of gVisor mode (``seccomp.exec_profile``),
+    compiled with libseccomp like the local backend's; an error here refuses the start."""
+    from sandman.backends import local_seccomp
+
+    try:
+        return local_seccomp.compile_profile(seccomp.exec_profile(exec_allowlist))
+    except (ImportError, ValueError, OSError) as exc:
+        raise SandboxError(f"cannot compile the gVisor exec filter with libseccomp: {exc}") from None
 
 
 IDLE_RELEASE_S = 0.05

@@ -156,6 +156,13 @@ def profile_for(exec_allowlist: bool) -> str:
     return render(build_profile(exec_allowlist=True))
 
 
+def exec_profile(exec_allowlist: bool) -> dict[str, Any]:
+    """Where sandman's supervisor builds layer 2 itself (the gvisor backend, whose runsc does not
+    enforce the container's profile): the filter each command runs under, loaded by the
+    supervisor right before the exec shim. No relaxation: no user namespaces, no mount."""
+    return build_profile(frozenset(Relaxation), exec_allowlist=exec_allowlist)
+
+
 def render(profile: dict[str, Any]) -> str:
     """Stable JSON text: the exact bytes Docker receives and ``docker inspect`` shows back."""
     return json.dumps(profile, indent=1, sort_keys=True) + "\n"
