@@ -205,7 +205,10 @@ def probe_identity(p: dict[str, Any]) -> Outcome:
 def probe_capabilities(p: dict[str, Any]) -> Outcome:
     st = status_fields()
     sets = {k: st.get(k, "?") for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")}
-    ok = all(v != "?" and int(v, 16) == 0 for v in sets.values())
+    if sets["CapAmb"] == "?":  # gVisor's status has no CapAmb line: ask for every capability
+        ambient = [c for c in range(64) if _libc.prctl(47, 1, c, 0, 0) == 1]  # PR_CAP_AMBIENT_IS_SET
+        sets["CapAmb"] = f"{sum(1 << c for c in ambient):016x} (no status line: prctl)"
+    ok = all(v != "?" and int(v.split()[0], 16) == 0 for v in sets.values())
     # Control: capget(2) reports the same (zero) effective/permitted/inheritable sets.
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
     data = (ctypes.c_uint32 * 6)()
@@ -222,7 +225,7 @@ def probe_capabilities(p: dict[str, Any]) -> Outcome:
 
 
 def probe_no_new_privs(p: dict[str, Any]) -> Outcome:
-    value = status_fields()["NoNewPrivs"]
+    value = status_fields().get("NoNewPrivs", "(no status line)")
     got = _libc.prctl(39, 0, 0, 0, 0)  # PR_GET_NO_NEW_PRIVS
     return f"NoNewPrivs {value}", value == "1", f"prctl(PR_GET_NO_NEW_PRIVS) = {got}", got == 1
 
@@ -269,8 +272,9 @@ def probe_setuid(p: dict[str, Any]) -> Outcome:
         if wait_exec(proc.pid, "cat"):
             ctl_line = _uid_line(proc.pid)
     # Host root appears as the overflow uid inside bwrap's user namespace.
-    with open("/proc/sys/kernel/overflowuid") as f:
-        root_ids = {0, int(f.read())}
+    root_ids = {0}
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/overflowuid") as f:
+        root_ids.add(int(f.read()))
     return (
         f"{target} (mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}) ran as "
         + ("; ".join(seen) if seen else "(never observed running)"),
@@ -397,8 +401,8 @@ def probe_process_visibility(p: dict[str, Any]) -> Outcome:
         tree = _proc_tree()
     strangers = []
     for pid, (_ppid, comm, argv0) in sorted(tree.items()):
-        if pid == 1:  # bwrap's init, or the agent itself under bwrap --as-pid-1
-            if comm != "bwrap" and me != 1:
+        if pid == 1:  # bwrap's init (sandman's in gVisor mode), or the agent itself as pid 1
+            if comm != p.get("init_comm", "bwrap") and me != 1:
                 strangers.append(f"1:{comm}")
             continue
         cur, hops = pid, 0
@@ -438,7 +442,14 @@ def _ptrace_attach(pid: int) -> tuple[int, int, str]:
 
 def probe_ptrace_pid1(p: dict[str, Any]) -> Outcome:
     st = status_fields(1)
-    same_ns = all(os.readlink(f"/proc/1/ns/{n}") == os.readlink(f"/proc/self/ns/{n}") for n in ("user", "pid"))
+
+    def link(path: str) -> str:
+        try:
+            return os.readlink(path)
+        except OSError as exc:
+            return f"unreadable ({ename(exc.errno or 0)})"
+
+    same_ns = all(link(f"/proc/1/ns/{n}") == link(f"/proc/self/ns/{n}") for n in ("user", "pid"))
     fds = []
     with contextlib.suppress(OSError):
         for fd in sorted(os.listdir("/proc/1/fd"), key=int):
@@ -455,7 +466,7 @@ def probe_ptrace_pid1(p: dict[str, Any]) -> Outcome:
         f"PTRACE_ATTACH(1) = {ret}{', errno ' + ename(err) if ret else ''}{'; ' + note if note else ''}"
         f" [pid 1 is {who}, Uid {uid}, CapEff {st.get('CapEff')}, "
         f"{'same' if same_ns else 'different'} user/pid namespace as the agent, fds {' '.join(fds) or '-'}, "
-        f"root {os.readlink('/proc/1/root')}; /proc/1/mem O_RDWR: {mem}]",
+        f"root {link('/proc/1/root')}; /proc/1/mem O_RDWR: {mem}]",
         # bwrap's init is inside the agent's layer: tracing it is only safe because it holds nothing
         # the agent lacks (same uid, no capabilities, the same user and pid namespaces).
         ret == -1 or (same_ns and st.get("CapEff", "").strip("0") == "" and "0" not in uid.split()),
@@ -814,10 +825,65 @@ def mount_violations(mounts: list[dict[str, str]], host_workspace: str, host_upc
     return bad
 
 
+# gVisor mode: every host mount is a 9p (gofer) mount whose root reads "/", so host paths cannot
+# be read back; the rules are by mount point instead, and the supervisor's covers must be on top.
+GVISOR_9P_POINTS = frozenset(
+    {"/", "/workspace", "/run/sandman", "/run/sandman/control", "/run/sandman/wsro", TRUSTED_DIR,
+     "/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/opt/sandman/tools"}
+)  # fmt: skip
+GVISOR_COVERED = ("/run/sandman/control", "/run/sandman/env", "/run/sandman/wsro")
+GVISOR_RW = frozenset({"/dev", "/proc", "/tmp", "/home/agent", "/workspace", "/run/sandman/control"})
+GVISOR_FS = frozenset({"9p", "tmpfs", "proc", "sysfs", "devpts"})
+
+
+def gvisor_mount_violations(mounts: list[dict[str, str]]) -> list[str]:
+    """The rules in gVisor mode: the expected mount points only, host (9p) mounts only where the
+    container binds them, writable only the scratch places and the workspace, and the control
+    dir, the env dir and the workspace's read-only view each covered by an empty read-only tmpfs."""
+    bad = []
+    last: dict[str, dict[str, str]] = {}
+    for m in mounts:
+        point, fstype = m["point"], m["fstype"]
+        ro = "ro" in m["opts"].split(",")
+        where = f"{point} ({fstype})"
+        last[point] = m
+        inside = point.startswith(("/dev/", "/sys/", "/proc/", "/workspace/"))
+        if point not in GVISOR_9P_POINTS | GVISOR_RW | {"/sys", "/run/sandman/env"} and not inside:
+            bad.append(f"unexpected mount point {where}")
+        if fstype not in GVISOR_FS:
+            bad.append(f"unexpected filesystem {where}")
+        if fstype == "9p" and point not in GVISOR_9P_POINTS and not point.startswith("/workspace/"):
+            bad.append(f"host path {where}")
+        if not ro and point not in GVISOR_RW and not point.startswith(("/dev/", "/workspace/")):
+            bad.append(f"writable {where}")
+    for point in GVISOR_COVERED:
+        top = last.get(point)
+        if top is None or top["fstype"] != "tmpfs" or "ro" not in top["opts"].split(","):
+            bad.append(f"{point} is not covered by a read-only tmpfs")
+    return bad
+
+
 def probe_mountinfo(p: dict[str, Any]) -> Outcome:
     with open("/proc/self/mountinfo") as f:
         mounts = parse_mountinfo(f.read())
     host_ws, host_upcall = str(p["host_workspace"]), str(p.get("host_upcall", ""))
+    if p.get("layer2") == "gvisor":
+        bad = gvisor_mount_violations(mounts)
+        ws = [m for m in mounts if m["point"] == "/workspace"]
+        synthetic = parse_mountinfo(
+            "900 1 0:90 / /var/lib/docker rw - 9p none rw\n"
+            "901 1 0:91 / /home/agent/host ro - ext4 /dev/vda ro\n"
+            "902 1 0:92 / /run/sandman/env rw - 9p none rw\n"
+        )
+        flagged = gvisor_mount_violations(mounts + synthetic)
+        return (
+            f"{len(mounts)} mounts (gVisor: every host mount is 9p with root /, checked by mount point); "
+            f"violations: {'; '.join(bad) or 'none'}",
+            not bad and len(ws) == 1,
+            "the rules flag a synthetic 9p /var/lib/docker, an ext4 mount and an uncovered env dir: "
+            f"{len(flagged) - len(bad)} new findings; the workspace mount is found: {bool(ws)}",
+            len(flagged) - len(bad) >= 3 and len(ws) == 1,
+        )
     bad = mount_violations(mounts, host_ws, host_upcall)
     ws = [m for m in mounts if m["point"] == "/workspace"]
     host = sorted({m["root"] for m in mounts if m["fstype"] not in VIRTUAL_FS and m["point"] not in IMAGE_PATHS})
