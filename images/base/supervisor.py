@@ -159,10 +159,26 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x20000000,
     0x40000000,
 )
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND = 1, 2, 4, 8, 4096
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MNT_DETACH = 1, 2, 4, 8, 4096, 2
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PTRACE_DETACH, PR_SET_NAME = 1, 24, 17, 15
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 COVER_OPTS = "size=4k,mode=555"
+GVISOR_ROOTS = "/run/sandman/roots"  # a tmpfs the supervisor mounts: one root per exec under it
+
+
+def mount_roots(libc: ctypes.CDLL) -> None:
+    """The tmpfs that holds the exec roots (root's own: mode 0700)."""
+    _mount(libc, "tmpfs", GVISOR_ROOTS, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=700")
+
+
+def release_root(root: str) -> None:
+    """An exec is over: detach its root and everything mounted in it (every namespace sees them)."""
+    libc = _libc()
+    libc.umount2(os.fsencode(root), MNT_DETACH)
+    try:
+        os.rmdir(root)
+    except OSError:
+        pass
 
 
 class Creds:
@@ -251,7 +267,7 @@ def enter_namespaces(request: dict) -> tuple[list[str], dict[str, str], int]:
         guard_text, opened = walk(request)  # mkdirs, the no-symlink walk, the guard text
         env = {str(k): str(v) for k, v in (ns.get("env") or {}).items()}
         if ns.get("env_file"):
-            env.update(read_env_file(str(ns["env_file"])))  # before its directory is covered
+            env.update(read_env_file(str(ns["env_file"])))  # the command's root has no env dir
         # Read-only binds come from the workspace's read-only view (a bind keeps its source
         # mount's read-only flag; gVisor ignores MS_RDONLY on a bind): walked the same way.
         ro_root = os.open(str(ns["workspace_ro"]), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -275,27 +291,35 @@ def enter_namespaces(request: dict) -> tuple[list[str], dict[str, str], int]:
             os.close(ro_root)
             for fd in opened:
                 os.close(fd)
-        cwd = os.open(str(ns.get("cwd") or workspace), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET
-    if libc.unshare(flags) != 0:
-        raise OSError(ctypes.get_errno(), "unshare")
+    # This gVisor's mount namespaces share one mount table (a mount made after unshare(NEWNS)
+    # shows in every namespace): so nothing is mounted over a path another exec or the
+    # supervisor uses. Each exec gets a root of its own (a bind of the host's read-only
+    # skeleton at a fresh path), everything is bound into it, and the command is chrooted there.
+    root = str(ns["root"])
+    if os.path.dirname(root) != GVISOR_ROOTS:
+        raise GuardError(f"the exec root {root!r} is not under {GVISOR_ROOTS}")
+    os.mkdir(root, 0o700)
+    _mount(libc, str(ns["skeleton"]), root, None, MS_BIND)  # read-only: a bind keeps its source's flags
+    for source, target, optional in ns["binds"]:
+        if optional and not os.path.exists(str(source)):
+            continue
+        _mount(libc, str(source), root + str(target), None, MS_BIND)
+    _mount(libc, "tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
     ro = MS_RDONLY | MS_NOSUID | MS_NODEV
     for rel, kind, want in bound:  # pinned (onto itself, read-write), then read-only
-        target = f"{workspace}/{rel}"
+        target = f"{root}{workspace}/{rel}"
         source = target if kind == "rw" else f"{ns['workspace_ro']}/{rel}"
         _mount(libc, source, target, None, MS_BIND)
         if _identity(os.stat(target)) != want:
             raise GuardError(f"workspace path {rel!r} changed while the sandbox was set up (not what was walked)")
     for path, is_dir in ns.get("masks") or []:
         if is_dir:
-            _mount(libc, "tmpfs", str(path), "tmpfs", ro, COVER_OPTS)
+            _mount(libc, "tmpfs", root + str(path), "tmpfs", ro, COVER_OPTS)
         else:
-            _mount(libc, str(ns["empty"]), str(path), None, MS_BIND | MS_RDONLY)
-    _mount(libc, str(ns["tmp"]), "/tmp", None, MS_BIND)
-    home_source, home = ns["home"]
-    _mount(libc, str(home_source), str(home), None, MS_BIND)
-    for path in ns.get("cover") or []:  # the supervisor's socket, other execs' env files, the ro view
-        _mount(libc, "tmpfs", str(path), "tmpfs", ro, COVER_OPTS)
+            _mount(libc, str(ns["empty"]), root + str(path), None, MS_BIND | MS_RDONLY)
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET
+    if libc.unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), "unshare")
     if "SANDMAN_GUARD" in env:
         env["SANDMAN_GUARD"] = guard_text
     pid = os.fork()  # pid 1 of the new pid namespace
@@ -304,6 +328,9 @@ def enter_namespaces(request: dict) -> tuple[list[str], dict[str, str], int]:
     try:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         libc.prctl(PR_SET_NAME, b"sandman-init", 0, 0, 0)  # the layer's init, as probes see it
+        if libc.chroot(os.fsencode(root)) != 0:
+            raise OSError(ctypes.get_errno(), "chroot")
+        os.chdir("/")
         _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         drop_privileges(libc, uid, gid)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a credential change clears it
@@ -311,11 +338,9 @@ def enter_namespaces(request: dict) -> tuple[list[str], dict[str, str], int]:
         if child == 0:  # the command (pid 2), in a session of its own, like bwrap --new-session
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             os.setsid()
-            os.fchdir(cwd)
-            os.close(cwd)
+            os.chdir(str(ns.get("cwd") or workspace))
             load_seccomp(libc, base64.b64decode(ns.get("seccomp") or ""))
             return [SANDBOX_EXEC, *(str(a) for a in ns["command"])], env, -1
-        os.close(cwd)
         os._exit(reap_until(child))
     except BaseException as exc:  # noqa: BLE001 - pid 1 never returns to the caller's loop
         try:
@@ -347,6 +372,9 @@ def run_plan(request: dict) -> None:
     """gVisor mode, in the exec's own process (the supervisor's child, or the one-shot launcher):
     build the namespaces, then either become the command or wait for the namespace's pid 1 and
     exit with its status. Never returns."""
+    signal.set_wakeup_fd(-1)
+    for signum in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
     os.closerange(3, 65536)  # the listener, the host's connections: nothing of the supervisor's
     argv, env, pid1 = enter_namespaces(request)
     if argv:
@@ -420,6 +448,7 @@ class Exec:
             in_r, in_w = os.pipe() if want_stdin else (os.open(os.devnull, os.O_RDONLY), -1)
         env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
         self.private_dirs = [str(p) for p in request.get("mkdirs") or []]
+        self.root = str((request.get("ns") or {}).get("root") or "") if sup.gvisor is not None else ""
         try:
             pid = os.fork()
         except OSError:
@@ -577,6 +606,7 @@ class Supervisor:
         self.lifetime_s = lifetime_s
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if gvisor is not None:
+            mount_roots(_libc())
             # Root here has no CAP_DAC_OVERRIDE: the control dir is the workspace uid's (0700).
             with Creds(*gvisor):
                 try:
@@ -615,6 +645,8 @@ class Supervisor:
             pass
         ex.conn.close()
         self.last_active = time.monotonic()
+        if ex.root and os.path.dirname(ex.root) == GVISOR_ROOTS:
+            release_root(ex.root)
         if ex.private_dirs:
             # The exec's own /tmp and HOME go with it; removed by a child so a big tree never
             # stalls the other execs' streams.
@@ -820,6 +852,7 @@ def launch(request_json: str, gvisor: bool = False) -> int:
         if gvisor or "ns" in request:
             if not gvisor or "ns" not in request or "argv" in request:
                 raise GuardError("this launcher's mode and the request's do not match")
+            mount_roots(_libc())
             run_plan(request)  # never returns
         argv, opened = prepare(request)
     except GuardError as exc:

@@ -32,14 +32,14 @@ from typing import Any
 
 from sandman.backends.base import WALL_GVISOR, Availability, Capabilities, ContainerSpec
 from sandman.backends.docker import DockerBackend
-from sandman.core.bwrap import WORKSPACE_RO
+from sandman.core.bwrap import GVISOR_ROOTS, SKELETON, SKELETON_DIRS, SKELETON_LINKS, WORKSPACE_RO
 from sandman.errors import UsageError
 
 RUNTIME = "runsc"
 # Capabilities of root inside the Sentry, for the supervisor's per-exec namespaces: mount and
 # unshare, drop to the workspace uid, chown nothing but its own, empty the bounding set. They
 # never reach the host kernel; the agent's commands hold none of them.
-SENTRY_CAPS = ["SYS_ADMIN", "SETUID", "SETGID", "CHOWN", "SETPCAP"]
+SENTRY_CAPS = ["SYS_ADMIN", "SYS_CHROOT", "SETUID", "SETGID", "CHOWN", "SETPCAP"]
 SENTRY_THREADS_BASE = 100  # idle Sentry + gofer host threads (about 66 measured), with margin
 SENTRY_THREADS_PER_PROCESS = 10  # host threads per guest process (about 8 measured)
 
@@ -137,7 +137,16 @@ class GVisorBackend(DockerBackend):
     def create(self, spec: ContainerSpec) -> str:
         # The read-only view's mount point, made by the host in the host-owned runtime dir (the
         # container sees that dir read-only, so the runtime could not make it there).
-        os.makedirs(os.path.join(spec.runtime_dir, os.path.basename(WORKSPACE_RO)), mode=0o755, exist_ok=True)
+        run = spec.runtime_dir
+        for name in (WORKSPACE_RO, GVISOR_ROOTS):
+            os.makedirs(os.path.join(run, os.path.basename(name)), mode=0o755, exist_ok=True)
+        # Each exec's root: empty mount points only, read-only inside (the runtime dir's mount).
+        skel = os.path.join(run, os.path.basename(SKELETON))
+        for d in (*SKELETON_DIRS, *(t.lstrip("/") for _, t, _ in spec.extra_mounts)):
+            os.makedirs(os.path.join(skel, d), mode=0o755, exist_ok=True)
+        for name, target in SKELETON_LINKS:
+            if not os.path.lexists(os.path.join(skel, name)):
+                os.symlink(target, os.path.join(skel, name))
         return super().create(spec)
 
     def host_addresses(self) -> list[str]:

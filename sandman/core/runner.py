@@ -646,7 +646,7 @@ def layer2_request(spec: bwrap.BwrapSpec, ws: Workspace, mode: str) -> dict[str,
     backend whose ``layer2_mode`` is "gvisor") the namespace plan."""
     if mode == "gvisor":
         bpf = exec_filter("SANDMAN_EXEC_ALLOW" in spec.env)
-        return bwrap.supervisor_plan(spec, ws.uid, ws.gid, seccomp_bpf=bpf)
+        return bwrap.supervisor_plan(spec, ws.uid, ws.gid, seccomp_bpf=bpf, root_tag=secrets.token_hex(8))
     return {"argv": bwrap.bwrap_argv(spec), "guard": bwrap.guard_request(spec)}
 
 

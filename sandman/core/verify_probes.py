@@ -825,41 +825,34 @@ def mount_violations(mounts: list[dict[str, str]], host_workspace: str, host_upc
     return bad
 
 
-# gVisor mode: every host mount is a 9p (gofer) mount whose root reads "/", so host paths cannot
-# be read back; the rules are by mount point instead, and the supervisor's covers must be on top.
-GVISOR_9P_POINTS = frozenset(
-    {"/", "/workspace", "/run/sandman", "/run/sandman/control", "/run/sandman/wsro", TRUSTED_DIR,
-     "/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/opt/sandman/tools"}
-)  # fmt: skip
-GVISOR_COVERED = ("/run/sandman/control", "/run/sandman/env", "/run/sandman/wsro")
-GVISOR_RW = frozenset({"/dev", "/proc", "/tmp", "/home/agent", "/workspace", "/run/sandman/control"})
+# gVisor mode: the supervisor binds bwrap's layout into a root of its own; host mounts are 9p
+# (gofer) mounts, whose root is the path inside the container mount they were bound from.
+GVISOR_9P_ROOTS = {
+    "/": ("/skel",), "/usr": ("/usr",), "/etc": ("/etc",), TRUSTED_DIR: ("/",), "/workspace": ("/",),
+    UPCALL_DIR: ("/upcall",), "/opt/sandman/tools": ("/", "/opt/sandman/tools"),
+    "/etc/hosts": ("/",), "/etc/hostname": ("/",), "/etc/resolv.conf": ("/",),
+}  # fmt: skip
 GVISOR_FS = frozenset({"9p", "tmpfs", "proc", "sysfs", "devpts"})
 
 
 def gvisor_mount_violations(mounts: list[dict[str, str]]) -> list[str]:
-    """The rules in gVisor mode: the expected mount points only, host (9p) mounts only where the
-    container binds them, writable only the scratch places and the workspace, and the control
-    dir, the env dir and the workspace's read-only view each covered by an empty read-only tmpfs."""
+    """The rules in gVisor mode: bwrap's mount points only, host (9p) mounts only where layer 2
+    binds them and from where it binds them, "/" read-only, writable only the scratch places and
+    the workspace (and pinned paths in it)."""
     bad = []
-    last: dict[str, dict[str, str]] = {}
     for m in mounts:
-        point, fstype = m["point"], m["fstype"]
+        point, fstype, root = m["point"], m["fstype"], m["root"]
         ro = "ro" in m["opts"].split(",")
-        where = f"{point} ({fstype})"
-        last[point] = m
-        inside = point.startswith(("/dev/", "/sys/", "/proc/", "/workspace/"))
-        if point not in GVISOR_9P_POINTS | GVISOR_RW | {"/sys", "/run/sandman/env"} and not inside:
+        where = f"{point} ({fstype} {root})"
+        in_ws = point.startswith("/workspace/")
+        if point not in MOUNT_POINTS and not point.startswith(MOUNT_PREFIXES) and not in_ws:
             bad.append(f"unexpected mount point {where}")
         if fstype not in GVISOR_FS:
             bad.append(f"unexpected filesystem {where}")
-        if fstype == "9p" and point not in GVISOR_9P_POINTS and not point.startswith("/workspace/"):
+        if fstype == "9p" and not in_ws and root not in GVISOR_9P_ROOTS.get(point, ()):
             bad.append(f"host path {where}")
-        if not ro and point not in GVISOR_RW and not point.startswith(("/dev/", "/workspace/")):
+        if not ro and (point == "/" or (point not in RW_MOUNTS and not point.startswith(("/dev/", "/workspace/")))):
             bad.append(f"writable {where}")
-    for point in GVISOR_COVERED:
-        top = last.get(point)
-        if top is None or top["fstype"] != "tmpfs" or "ro" not in top["opts"].split(","):
-            bad.append(f"{point} is not covered by a read-only tmpfs")
     return bad
 
 
@@ -873,14 +866,14 @@ def probe_mountinfo(p: dict[str, Any]) -> Outcome:
         synthetic = parse_mountinfo(
             "900 1 0:90 / /var/lib/docker rw - 9p none rw\n"
             "901 1 0:91 / /home/agent/host ro - ext4 /dev/vda ro\n"
-            "902 1 0:92 / /run/sandman/env rw - 9p none rw\n"
+            "902 1 0:92 /control /run/sandman/control rw - 9p none rw\n"
         )
         flagged = gvisor_mount_violations(mounts + synthetic)
         return (
-            f"{len(mounts)} mounts (gVisor: every host mount is 9p with root /, checked by mount point); "
+            f"{len(mounts)} mounts (gVisor: host mounts are 9p, checked by mount point and root); "
             f"violations: {'; '.join(bad) or 'none'}",
             not bad and len(ws) == 1,
-            "the rules flag a synthetic 9p /var/lib/docker, an ext4 mount and an uncovered env dir: "
+            "the rules flag a synthetic 9p /var/lib/docker, an ext4 mount and the control dir: "
             f"{len(flagged) - len(bad)} new findings; the workspace mount is found: {bool(ws)}",
             len(flagged) - len(bad) >= 3 and len(ws) == 1,
         )

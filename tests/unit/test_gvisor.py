@@ -38,7 +38,7 @@ def test_kwargs_deltas_are_exactly_these() -> None:
     assert {"Name": "nproc", "Soft": 256, "Hard": 256} in hc["Ulimits"]
     assert [u for u in hc["Ulimits"] if u["Name"] != "nproc"] == bhc["Ulimits"]
     assert got["user"] == "0:0" and base["user"] == "1000:1000"
-    assert hc["CapAdd"] == SENTRY_CAPS == ["SYS_ADMIN", "SETUID", "SETGID", "CHOWN", "SETPCAP"]
+    assert hc["CapAdd"] == SENTRY_CAPS == ["SYS_ADMIN", "SYS_CHROOT", "SETUID", "SETGID", "CHOWN", "SETPCAP"]
     assert hc["CapDrop"] == ["ALL"]
     assert hc["Mounts"][:-1] == bhc["Mounts"]
     assert hc["Mounts"][-1] == {
@@ -98,10 +98,26 @@ def test_the_plan_is_the_same_spec_as_bwraps() -> None:
     assert plan["guard"] == bwrap.guard_request(_spec())
     assert (ns["uid"], ns["gid"], ns["command"], ns["cwd"]) == (1000, 1001, ["sh", "-c", "true"], "/workspace")
     assert ns["masks"] == [["/workspace/.env", False], ["/workspace/secrets", True]]
-    assert ns["tmp"] == "/tmp/.sandman-exec-1"
-    assert ns["home"] == ["/home/agent/.sandman-exec-1", "/home/agent"]
     assert ns["env_file"] == "/run/sandman/env/abc.env"
-    assert ns["cover"] == ["/run/sandman/control", "/run/sandman/env", "/run/sandman/wsro"]
+    # bwrap's layout, bound into a root of the exec's own (never the control or env dirs).
+    assert ns["skeleton"] == "/run/sandman/skel" and ns["root"].startswith("/run/sandman/roots/")
+    assert ns["binds"] == [
+        ["/usr", "/usr", False],
+        ["/usr/lib/sandman", "/usr/lib/sandman", False],
+        ["/etc", "/etc", False],
+        ["/etc/hosts", "/etc/hosts", True],
+        ["/etc/hostname", "/etc/hostname", True],
+        ["/etc/resolv.conf", "/etc/resolv.conf", True],
+        ["/sys", "/sys", False],
+        ["/dev", "/dev", False],
+        ["/dev/pts", "/dev/pts", False],
+        ["/tmp/.sandman-exec-1", "/tmp", False],
+        ["/home/agent/.sandman-exec-1", "/home/agent", False],
+        ["/workspace", "/workspace", False],
+        ["/opt/sandman/tools", "/opt/sandman/tools", True],
+        ["/run/sandman/upcall", "/run/sandman/upcall", True],
+    ]
+    assert not any(b[0].startswith(("/run/sandman/control", "/run/sandman/env")) for b in ns["binds"])
     assert base64.b64decode(ns["seccomp"]) == b"\x06\x00\x00\x00\x00\x00\xff\x7f"
     # No Landlock in gVisor: the allowlist is never half-applied by the shim.
     assert "SANDMAN_EXEC_ALLOW" not in ns["env"]
