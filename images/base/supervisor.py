@@ -24,13 +24,15 @@ where it was meant to (a symlink swapped in mid-setup fails the exec, never open
 gVisor mode (``--gvisor``, passed by the host only for the gvisor backend, whose runsc cannot run
 bubblewrap): this process runs as root inside gVisor's kernel (capabilities that exist only in
 the Sentry) and builds each exec's isolation itself from the host's plan (``request["ns"]``):
-new mount, pid, ipc, uts and net namespaces; pinned and read-only workspace paths, deny-list
-masks, private /tmp and HOME mounted BY PATH (gVisor ignores /proc/self/fd magic links as mount
-sources and targets) after the same no-symlink walk, each bind's root checked against the walked
-descriptor; the control dir, the env dir and the read-only workspace view covered; then a pid-1
-reaper and the command as the workspace uid with no capabilities, under the exec shim (which
-still checks every guarded mount). Requests without a plan are refused in this mode, and plans
-are refused outside it. See ``enter_namespaces``.
+a root of the exec's own (this gVisor's mount namespaces share one mount table, so nothing is
+mounted over a path anyone else uses) holding bubblewrap's layout, the pinned and read-only
+workspace paths and the deny-list masks, mounted BY PATH (gVisor ignores /proc/self/fd magic
+links as mount sources and targets) after the same no-symlink walk, each bind's root checked
+against the walked descriptor; new pid, ipc, uts and net namespaces; then a pid-1 reaper
+chrooted there and the command as the workspace uid with no capabilities under sandman's
+layer-2 seccomp filter and the exec shim (which still checks every guarded mount). The control
+dir, the env dir and the read-only workspace view are not in that root. Requests without a plan
+are refused in this mode, and plans are refused outside it. See ``enter_namespaces``.
 """
 
 from __future__ import annotations

@@ -5,16 +5,21 @@ One wall: gVisor's user-space kernel (the Sentry) between the agent and the host
 bubblewrap cannot run in this runsc, so layer 2 is built by sandman's supervisor itself, inside
 gVisor (``supervisor.py --gvisor``): it runs as root *in the Sentry* (capabilities that exist
 only there; the host sees the Sentry's own unprivileged, filtered process) and gives every exec
-new mount/pid/ipc/uts/net namespaces, the deny-list masks, pinned and read-only workspace paths,
-a private /tmp and HOME, and the command as the workspace uid with no capabilities. Those are
-gVisor's namespaces, so they are not a second wall: a Sentry bug crosses both.
+a root of its own with bubblewrap's layout (chroot: this gVisor's mount namespaces share one
+mount table), new pid/ipc/uts/net namespaces, the deny-list masks, pinned and read-only
+workspace paths, a private /tmp and HOME, sandman's layer-2 seccomp filter, and the command as
+the workspace uid with no capabilities. Those are gVisor's mechanisms, so they are not a second
+wall: a Sentry bug crosses both.
 
 What this runsc does differently from runc, measured (see ``capabilities().notes``):
 - SO_PEERCRED on host-backed sockets reports the listener's own credentials: the supervisor
-  cannot tell the host from the agent by pid, so the socket's directory is covered in every exec.
+  cannot tell the host from the agent by pid, so the socket's directory is not in any exec's root.
+- unshare(CLONE_NEWNS) gives no private mount table (a mount after it shows everywhere): each
+  exec is chrooted into a root of its own, detached when it ends.
 - Landlock: ENOSYS. The command allowlist is advisory (warned at start; never sent to the shim).
-- The seccomp profile is accepted but not enforced (runsc without --oci-seccomp; with it, every
-  refusal is EPERM and clone3 -> EPERM breaks threads).
+- The container's seccomp profile is accepted but not enforced (runsc without --oci-seccomp;
+  with it, every refusal is EPERM and clone3 -> EPERM breaks threads); the supervisor loads the
+  layer-2 profile on every command instead, which gVisor enforces (errno values included).
 - ``PidsLimit`` counts the Sentry's host threads (about 66 idle, about 8 per guest process): the
   cap is scaled, and RLIMIT_NPROC (which gVisor counts per sandbox) is the agent's process cap.
 - An OOM kills the whole sandbox (a session ends); ``docker update`` fails (no ``runsc update``);
@@ -107,8 +112,10 @@ class GVisorBackend(DockerBackend):
                 "every command runs under sandman's layer-2 profile (no user namespaces, no mount), which the "
                 "supervisor loads and gVisor's kernel enforces.",
                 "gVisor's /proc/self/status has no NoNewPrivs line (prctl(PR_GET_NO_NEW_PRIVS) is 1).",
-                "Read-only and pinned workspace paths are enforced from a read-only view of the workspace; "
-                "MS_RDONLY on a bind is ignored by this gVisor, so nothing else can be made read-only.",
+                "Read-only workspace paths are bound from a read-only view of the workspace (this gVisor "
+                "ignores MS_RDONLY on a bind; a bind keeps its source mount's flag).",
+                "This gVisor's mount namespaces share one mount table: each exec is chrooted into a root of "
+                "its own (detached when it ends), so execs never see each other's mounts at their paths.",
                 "memory: an OOM kills the whole sandbox, so a session ends with the command.",
                 "pids: the agent's process cap is RLIMIT_NPROC (= pids, counted per sandbox by gVisor): a fork "
                 "bomb gets EAGAIN, but the host cannot see that hit, so it ends as exit or timeout, never as "
