@@ -20,11 +20,26 @@ with O_NOFOLLOW from the workspace's descriptor) and handed over as ``/proc/self
 mask target is walked the same way; and the identity of each destination's parent directory is
 passed to the exec shim, which checks inside the new namespace that every mount landed exactly
 where it was meant to (a symlink swapped in mid-setup fails the exec, never opens it).
+
+gVisor mode (``--gvisor``, passed by the host only for the gvisor backend, whose runsc cannot run
+bubblewrap): this process runs as root inside gVisor's kernel (capabilities that exist only in
+the Sentry) and builds each exec's isolation itself from the host's plan (``request["ns"]``):
+a root of the exec's own (this gVisor's mount namespaces share one mount table, so nothing is
+mounted over a path anyone else uses) holding bubblewrap's layout, the pinned and read-only
+workspace paths and the deny-list masks, mounted BY PATH (gVisor ignores /proc/self/fd magic
+links as mount sources and targets) after the same no-symlink walk, each bind's root checked
+against the walked descriptor; new pid, ipc, uts and net namespaces; then a pid-1 reaper
+chrooted there and the command as the workspace uid with no capabilities under sandman's
+layer-2 seccomp filter and the exec shim (which still checks every guarded mount). The control
+dir, the env dir and the read-only workspace view are not in that root. Requests without a plan
+are refused in this mode, and plans are refused outside it. See ``enter_namespaces``.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import ctypes
 import errno
 import fcntl
 import json
@@ -45,6 +60,7 @@ READ_CHUNK = 1 << 16
 EXIT_IDLE, EXIT_LIFETIME = 3, 4
 GUARD_FD_BASE = 3  # guarded workspace paths are handed to bwrap as /proc/self/fd/3, 4, ...
 GUARD_PLACEHOLDER = "@SANDMAN_GUARD@"
+SANDBOX_EXEC = "/usr/lib/sandman/sandbox-exec"
 REFUSED_EXIT = 126
 
 
@@ -81,6 +97,14 @@ def prepare(request: dict) -> tuple[list[str], list[int]]:
     ``guard.open``: [path, kind] bound by descriptor (fd GUARD_FD_BASE + index, in order);
     ``guard.check``: [path, kind] mask targets; kind is "ro", "rw" or "mask" (read-only);
     ``mkdirs``: per-exec private dirs to create first."""
+    guard_text, opened = walk(request)
+    argv = [guard_text if a == GUARD_PLACEHOLDER else str(a) for a in request["argv"]]
+    return argv, opened
+
+
+def walk(request: dict) -> tuple[str, list[int]]:
+    """``prepare`` without the argv: make the private dirs, walk the guarded paths; (the guard
+    text for the exec shim, the descriptors opened for ``guard.open``, in order)."""
     guard = request.get("guard") or {}
     for path in request.get("mkdirs") or []:
         for attempt in range(100):
@@ -93,7 +117,6 @@ def prepare(request: dict) -> tuple[list[str], list[int]]:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or attempt == 99:
                     raise
                 time.sleep(0.05)
-    argv = [str(a) for a in request["argv"]]
     opened: list[int] = []
     expect: list[list] = []
     if guard.get("open") or guard.get("check"):
@@ -127,8 +150,246 @@ def prepare(request: dict) -> tuple[list[str], list[int]]:
             expect.append([rel, kind, pst.st_dev, pst.st_ino])
         os.close(root)
     guard_text = "".join(f"{kind} {dev} {ino} {os.fsencode(rel).hex()}\n" for rel, kind, dev, ino in expect)
-    argv = [guard_text if a == GUARD_PLACEHOLDER else a for a in argv]
-    return argv, opened
+    return guard_text, opened
+
+
+# -- gVisor mode ----------------------------------------------------------------------------------
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
+    0x00020000,
+    0x04000000,
+    0x08000000,
+    0x20000000,
+    0x40000000,
+)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MNT_DETACH = 1, 2, 4, 8, 4096, 2
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PTRACE_DETACH, PR_SET_NAME = 1, 24, 17, 15
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+COVER_OPTS = "size=4k,mode=555"
+GVISOR_ROOTS = "/run/sandman/roots"  # a tmpfs the supervisor mounts: one root per exec under it
+
+
+def mount_roots(libc: ctypes.CDLL) -> None:
+    """The tmpfs that holds the exec roots (root's own: mode 0700)."""
+    _mount(libc, "tmpfs", GVISOR_ROOTS, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=700")
+
+
+def release_root(root: str) -> None:
+    """An exec is over: detach its root and everything mounted in it (every namespace sees them)."""
+    libc = _libc()
+    libc.umount2(os.fsencode(root), MNT_DETACH)
+    try:
+        os.rmdir(root)
+    except OSError:
+        pass
+
+
+class Creds:
+    """The workspace uid/gid as the effective ids for a block (root again after it): what a
+    process without CAP_DAC_OVERRIDE needs to walk the agent's workspace and read its env file."""
+
+    def __init__(self, uid: int, gid: int) -> None:
+        self.uid, self.gid = uid, gid
+
+    def __enter__(self) -> None:
+        os.setresgid(-1, self.gid, -1)
+        os.setresuid(-1, self.uid, -1)
+
+    def __exit__(self, *_: object) -> None:
+        os.setresuid(-1, 0, -1)
+        os.setresgid(-1, 0, -1)
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(libc: ctypes.CDLL, src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = [None if v is None else os.fsencode(v) for v in (src, dst, fstype, data)]
+    if libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {src or fstype} on {dst}: {os.strerror(err)}")
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode)
+
+
+def drop_privileges(libc: ctypes.CDLL, uid: int, gid: int) -> None:
+    """Root -> the workspace uid: empty bounding set, no groups, every id, no capability left."""
+    for cap in range(64):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EPERM:
+            raise OSError(errno.EPERM, "cannot empty the capability bounding set")
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable (x2): all empty
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+    if os.getuid() == 0 or os.geteuid() == 0 or os.getgid() == 0 or os.getegid() == 0:
+        raise OSError(errno.EPERM, "still root after dropping privileges")
+
+
+def load_seccomp(libc: ctypes.CDLL, bpf: bytes) -> None:
+    """The host's compiled filter (``struct sock_filter[]``) on this process and its children."""
+    if not bpf:
+        return
+    if len(bpf) % 8:
+        raise OSError(errno.EINVAL, "the seccomp filter is not a whole number of instructions")
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = Fprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    with open(path, "rb") as f:
+        fields = f.read().split(b"\0")
+    return {os.fsdecode(k): os.fsdecode(v) for k, v in zip(fields[0::2], fields[1::2], strict=False)}
+
+
+def enter_namespaces(request: dict) -> tuple[list[str], dict[str, str], int]:
+    """gVisor mode: build the exec's isolation from the host's plan; returns in the command's
+    process, as the workspace uid with no capabilities: (argv, env, cwd fd) to exec. Its
+    callers' process stays outside the new pid namespace and only waits (see ``run_plan``)."""
+    ns = request["ns"]
+    uid, gid = int(ns["uid"]), int(ns["gid"])
+    if uid == 0 or gid == 0:
+        raise GuardError("the plan asks for uid or gid 0")
+    guard = request.get("guard") or {}
+    workspace = str(guard.get("workspace", "/workspace"))
+    libc = _libc()
+    with Creds(uid, gid):  # the agent's files: walked and read as their owner
+        guard_text, opened = walk(request)  # mkdirs, the no-symlink walk, the guard text
+        env = {str(k): str(v) for k, v in (ns.get("env") or {}).items()}
+        if ns.get("env_file"):
+            env.update(read_env_file(str(ns["env_file"])))  # the command's root has no env dir
+        # Read-only binds come from the workspace's read-only view (a bind keeps its source
+        # mount's read-only flag; gVisor ignores MS_RDONLY on a bind): walked the same way.
+        ro_root = os.open(str(ns["workspace_ro"]), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        bound: list[tuple[str, str, tuple[int, int, int]]] = []
+        try:
+            for i, (rel, kind) in enumerate(guard.get("open") or []):
+                rel, kind = str(rel), str(kind)
+                if kind == "rw":
+                    bound.append((rel, kind, _identity(os.fstat(opened[i]))))
+                    continue
+                parent, name = _open_beneath(ro_root, rel)
+                try:
+                    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+                except OSError as exc:
+                    raise GuardError(f"workspace path {rel!r} cannot be opened ({exc.strerror})") from None
+                finally:
+                    os.close(parent)
+                bound.append((rel, kind, _identity(os.fstat(fd))))
+                os.close(fd)
+        finally:
+            os.close(ro_root)
+            for fd in opened:
+                os.close(fd)
+    # This gVisor's mount namespaces share one mount table (a mount made after unshare(NEWNS)
+    # shows in every namespace): so nothing is mounted over a path another exec or the
+    # supervisor uses. Each exec gets a root of its own (a bind of the host's read-only
+    # skeleton at a fresh path), everything is bound into it, and the command is chrooted there.
+    root = str(ns["root"])
+    if os.path.dirname(root) != GVISOR_ROOTS:
+        raise GuardError(f"the exec root {root!r} is not under {GVISOR_ROOTS}")
+    os.mkdir(root, 0o700)
+    _mount(libc, str(ns["skeleton"]), root, None, MS_BIND)  # read-only: a bind keeps its source's flags
+    for source, target, optional in ns["binds"]:
+        if optional and not os.path.exists(str(source)):
+            continue
+        _mount(libc, str(source), root + str(target), None, MS_BIND)
+    _mount(libc, "tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
+    ro = MS_RDONLY | MS_NOSUID | MS_NODEV
+    for rel, kind, want in bound:  # pinned (onto itself, read-write), then read-only
+        target = f"{root}{workspace}/{rel}"
+        source = target if kind == "rw" else f"{ns['workspace_ro']}/{rel}"
+        _mount(libc, source, target, None, MS_BIND)
+        if _identity(os.stat(target)) != want:
+            raise GuardError(f"workspace path {rel!r} changed while the sandbox was set up (not what was walked)")
+    for path, is_dir in ns.get("masks") or []:
+        if is_dir:
+            _mount(libc, "tmpfs", root + str(path), "tmpfs", ro, COVER_OPTS)
+        else:
+            _mount(libc, str(ns["empty"]), root + str(path), None, MS_BIND | MS_RDONLY)
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET
+    if libc.unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), "unshare")
+    if "SANDMAN_GUARD" in env:
+        env["SANDMAN_GUARD"] = guard_text
+    pid = os.fork()  # pid 1 of the new pid namespace
+    if pid:
+        return [], {}, pid
+    try:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(PR_SET_NAME, b"sandman-init", 0, 0, 0)  # the layer's init, as probes see it
+        if libc.chroot(os.fsencode(root)) != 0:
+            raise OSError(ctypes.get_errno(), "chroot")
+        os.chdir("/")
+        _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        drop_privileges(libc, uid, gid)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a credential change clears it
+        child = os.fork()
+        if child == 0:  # the command (pid 2), in a session of its own, like bwrap --new-session
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            os.setsid()
+            os.chdir(str(ns.get("cwd") or workspace))
+            load_seccomp(libc, base64.b64decode(ns.get("seccomp") or ""))
+            return [SANDBOX_EXEC, *(str(a) for a in ns["command"])], env, -1
+        os._exit(reap_until(child))
+    except BaseException as exc:  # noqa: BLE001 - pid 1 never returns to the caller's loop
+        try:
+            os.write(2, f"sandman: cannot start the sandbox: {exc}\n".encode())
+        finally:
+            os._exit(127)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def reap_until(child: int) -> int:
+    """Pid 1's loop: reap every orphan until the command exits; its status as an exit code."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            return 127
+        except InterruptedError:
+            continue
+        if os.WIFSTOPPED(status):  # the command made this process its tracer (PTRACE_TRACEME)
+            _libc().ptrace(PTRACE_DETACH, pid, None, ctypes.c_void_p(os.WSTOPSIG(status)))
+            continue
+        if pid == child and (os.WIFEXITED(status) or os.WIFSIGNALED(status)):
+            code = os.waitstatus_to_exitcode(status)
+            return code if code >= 0 else 128 - code
+
+
+def run_plan(request: dict) -> None:
+    """gVisor mode, in the exec's own process (the supervisor's child, or the one-shot launcher):
+    build the namespaces, then either become the command or wait for the namespace's pid 1 and
+    exit with its status. Never returns."""
+    signal.set_wakeup_fd(-1)
+    for signum in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+    os.closerange(3, 65536)  # the listener, the host's connections: nothing of the supervisor's
+    argv, env, pid1 = enter_namespaces(request)
+    if argv:
+        os.execve(SANDBOX_EXEC, argv, env)
+    while True:
+        try:
+            _, status = os.waitpid(pid1, 0)
+        except InterruptedError:
+            continue
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            break
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(code if code >= 0 else 128 - code)
 
 
 def remove_tree(path: str) -> None:
@@ -189,6 +450,7 @@ class Exec:
             in_r, in_w = os.pipe() if want_stdin else (os.open(os.devnull, os.O_RDONLY), -1)
         env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
         self.private_dirs = [str(p) for p in request.get("mkdirs") or []]
+        self.root = str((request.get("ns") or {}).get("root") or "") if sup.gvisor is not None else ""
         try:
             pid = os.fork()
         except OSError:
@@ -204,6 +466,11 @@ class Exec:
                 os.dup2(out_w, 1)
                 os.dup2(err_w, 2)
                 signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+                if sup.gvisor is not None or "ns" in request:
+                    code = REFUSED_EXIT
+                    if sup.gvisor is None or "ns" not in request or "argv" in request:
+                        raise GuardError("this supervisor's mode and the request's do not match")
+                    run_plan(request)  # never returns
                 try:
                     argv, opened = prepare(request)
                 except GuardError as exc:
@@ -328,7 +595,10 @@ class Exec:
 
 
 class Supervisor:
-    def __init__(self, path: str, idle_s: float | None, lifetime_s: float | None) -> None:
+    def __init__(
+        self, path: str, idle_s: float | None, lifetime_s: float | None, gvisor: tuple[int, int] | None = None
+    ) -> None:
+        self.gvisor = gvisor  # (uid, gid) of the workspace in gVisor mode, else None
         self.sel = selectors.DefaultSelector()
         self.execs: dict[int, Exec] = {}
         self.by_conn: dict[int, Exec] = {}
@@ -336,13 +606,24 @@ class Supervisor:
         self.idle_s = idle_s
         self.started = self.last_active = time.monotonic()
         self.lifetime_s = lifetime_s
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
-        os.chmod(path, 0o600)
+        if gvisor is not None:
+            mount_roots(_libc())
+            # Root here has no CAP_DAC_OVERRIDE: the control dir is the workspace uid's (0700).
+            with Creds(*gvisor):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                self.listener.bind(path)
+                os.chmod(path, 0o600)
+        else:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            self.listener.bind(path)
+            os.chmod(path, 0o600)
         self.listener.listen(128)
         self.listener.setblocking(False)
         self.sel.register(self.listener, selectors.EVENT_READ, ("accept", None, None))
@@ -366,11 +647,17 @@ class Supervisor:
             pass
         ex.conn.close()
         self.last_active = time.monotonic()
+        if ex.root and os.path.dirname(ex.root) == GVISOR_ROOTS:
+            release_root(ex.root)
         if ex.private_dirs:
             # The exec's own /tmp and HOME go with it; removed by a child so a big tree never
             # stalls the other execs' streams.
             if os.fork() == 0:
                 try:
+                    if self.gvisor is not None:  # the agent's files: removed as their owner
+                        os.setgroups([])
+                        os.setresgid(self.gvisor[1], self.gvisor[1], self.gvisor[1])
+                        os.setresuid(self.gvisor[0], self.gvisor[0], self.gvisor[0])
                     for path in ex.private_dirs:
                         remove_tree(path)
                 finally:
@@ -388,7 +675,10 @@ class Supervisor:
             pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         except OSError:
             pid = -1
-        if pid != 0:
+        if pid != 0 and self.gvisor is None:
+            # (gVisor reports the listener's own credentials for every peer of a host-backed
+            # socket, so there the wall is that no exec can reach the socket: its directory is
+            # covered in every exec's mount namespace.)
             # The host's processes are outside this PID namespace, so the kernel reports pid 0
             # for them; any process of the container (layer 1, or bwrap's layer 2 under it) has
             # a pid here and gets nothing, not even an error.
@@ -556,10 +846,16 @@ class Supervisor:
             ex.flush_stdin()
 
 
-def launch(request_json: str) -> int:
-    """One-shot sandboxes: guard the workspace paths, then become bwrap (tini stays the parent)."""
+def launch(request_json: str, gvisor: bool = False) -> int:
+    """One-shot sandboxes: guard the workspace paths, then become bwrap (tini stays the parent);
+    in gVisor mode, build the namespaces and wait for the command (``run_plan``)."""
     try:
         request = json.loads(request_json)
+        if gvisor or "ns" in request:
+            if not gvisor or "ns" not in request or "argv" in request:
+                raise GuardError("this launcher's mode and the request's do not match")
+            mount_roots(_libc())
+            run_plan(request)  # never returns
         argv, opened = prepare(request)
     except GuardError as exc:
         print(f"sandman: refused: {exc}", file=sys.stderr, flush=True)
@@ -572,12 +868,21 @@ def launch(request_json: str) -> int:
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--launch":
         return launch(sys.argv[2])
+    if len(sys.argv) == 4 and sys.argv[1:3] == ["--gvisor", "--launch"]:
+        return launch(sys.argv[3], gvisor=True)
     parser = argparse.ArgumentParser(description="sandman session supervisor")
     parser.add_argument("--socket", required=True)
+    parser.add_argument("--gvisor", metavar="UID:GID", default=None, help="gVisor mode (see the module's doc)")
     parser.add_argument("--idle", type=float, default=None)
     parser.add_argument("--lifetime", type=float, default=None)
     ns = parser.parse_args()
-    sup = Supervisor(ns.socket, ns.idle, ns.lifetime)
+    gvisor = None
+    if ns.gvisor is not None:
+        uid, gid = (int(v) for v in ns.gvisor.split(":"))
+        if uid == 0 or gid == 0 or os.geteuid() != 0:
+            parser.error("--gvisor: the workspace uid:gid (non-zero), with this process root inside gVisor")
+        gvisor = (uid, gid)
+    sup = Supervisor(ns.socket, ns.idle, ns.lifetime, gvisor)
     print(f"supervisor {os.getpid()} ready on {ns.socket}", file=sys.stderr, flush=True)
     return sup.serve()
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 DEFAULT = "docker"
 REGISTRY: dict[str, str] = {
     "docker": "sandman.backends.docker:DockerBackend",
+    "gvisor": "sandman.backends.gvisor:GVisorBackend",
     "podman": "sandman.backends.podman:PodmanBackend",
     "podman-rootless": "sandman.backends.podman:PodmanRootlessBackend",
     "local": "sandman.backends.local:LocalBackend",

@@ -102,7 +102,7 @@ class Capabilities:
     """What a backend gives and what it cannot do (``sandman backends``, ``doctor``, README)."""
 
     walls: tuple[str, ...]
-    layer2: bool = True  # bubblewrap runs inside (else the supervisor runs commands directly)
+    layer2: bool = True  # bubblewrap runs inside (else the supervisor builds each exec's namespaces)
     limits: tuple[str, ...] = ("cpus", "memory", "pids")  # the limits it enforces
     live_update: bool = True  # limits can change on a running sandbox
     notes: tuple[str, ...] = ()  # what it cannot do, each a sentence
@@ -152,6 +152,10 @@ class Backend(ABC):
 
     name: ClassVar[str]
     summary: ClassVar[str]
+    # How layer 2 is made: "bwrap" (bubblewrap, argv from sandman.core.bwrap.bwrap_argv) or
+    # "gvisor" (the supervisor builds the namespaces itself: supervisor.py --gvisor, from
+    # sandman.core.bwrap.supervisor_plan), for a runtime where bubblewrap cannot run.
+    layer2_mode: ClassVar[str] = "bwrap"
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

@@ -170,7 +170,7 @@ class DockerBackend(Backend):
 
     name = "docker"
     summary = "Docker engine, runc: hardened container + bubblewrap inside"
-    WALLS = (WALL_CONTAINER, WALL_BUBBLEWRAP)
+    WALLS: tuple[str, ...] = (WALL_CONTAINER, WALL_BUBBLEWRAP)
 
     def __init__(self, settings: Any, api: docker.APIClient | None = None) -> None:
         super().__init__(settings)

@@ -12,6 +12,7 @@ and every guarded destination is re-checked inside the namespace by the exec shi
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -68,6 +69,64 @@ def guard_request(spec: BwrapSpec) -> dict[str, object]:
         "workspace": spec.workspace,
         "open": [[_rel(p, spec.workspace), kind] for p, kind in spec.bound()],
         "check": [[_rel(p, spec.workspace), "mask"] for p, _ in spec.masks],
+    }
+
+
+# gVisor (whose runsc cannot run bubblewrap): the supervisor builds layer 2 from this plan.
+WORKSPACE_RO = "/run/sandman/wsro"  # the workspace bound read-only: source of read-only binds
+SKELETON = "/run/sandman/skel"  # the host's read-only tree of empty mount points: each exec's /
+GVISOR_ROOTS = "/run/sandman/roots"  # keep in step with images/base/supervisor.py
+# The skeleton's directories and symlinks (made by the gvisor backend in the runtime dir).
+SKELETON_DIRS = ("usr", "etc", "sys", "dev", "dev/pts", "dev/shm", "proc", "tmp", "home/agent", "workspace",
+                 "run/sandman/upcall", "opt/sandman/tools")  # fmt: skip
+SKELETON_LINKS = (("bin", "usr/bin"), ("sbin", "usr/sbin"), ("lib", "usr/lib"), ("lib64", "usr/lib64"))
+
+
+def supervisor_plan(
+    spec: BwrapSpec, uid: int, gid: int, seccomp_bpf: bytes = b"", root_tag: str = "exec"
+) -> dict[str, object]:
+    """The gVisor mode's request (images/base/supervisor.py ``enter_namespaces``): the same
+    spec as ``bwrap_argv``, as what the supervisor mounts, in order, by path. The host decides
+    every path, mask, id and variable; the supervisor only executes it."""
+    env = dict(spec.env)
+    # gVisor has no Landlock: the allowlist is advisory there (warned at start), never half-applied.
+    env.pop("SANDMAN_EXEC_ALLOW", None)
+    env.pop("SANDMAN_EXEC_ALLOW_REQUIRED", None)
+    if spec.masks or spec.read_only or spec.pinned:
+        env["SANDMAN_GUARD"] = GUARD_PLACEHOLDER
+    # bwrap_argv's layout, bound into the exec's own root: (container source, path, optional).
+    binds = [
+        ["/usr", "/usr", False],
+        ["/usr/lib/sandman", "/usr/lib/sandman", False],  # the host's trusted copy, not the image's
+        ["/etc", "/etc", False],
+        *([f, f, True] for f in ("/etc/hosts", "/etc/hostname", "/etc/resolv.conf")),
+        ["/sys", "/sys", False],
+        ["/dev", "/dev", False],
+        ["/dev/pts", "/dev/pts", False],
+        [spec.tmp_source, "/tmp", False],
+        [spec.home_source, spec.home, False],
+        [spec.workspace, spec.workspace, False],
+        *([path, path, False] for path in spec.writable),
+        *([path, path, True] for path in spec.ro_binds),
+    ]
+    return {
+        "ns": {
+            "uid": uid,
+            "gid": gid,
+            "command": list(spec.command),
+            "env": env,
+            "env_file": spec.env_file,  # read by the supervisor as the uid (not in the exec's root)
+            "cwd": spec.cwd,
+            "workspace_ro": WORKSPACE_RO,
+            "empty": EMPTY_FILE,
+            "masks": [[path, is_dir] for path, is_dir in spec.masks],
+            "skeleton": SKELETON,
+            "root": f"{GVISOR_ROOTS}/{root_tag}",
+            "binds": binds,
+            # Classic BPF loaded right before the exec shim (gVisor enforces a guest's filter).
+            "seccomp": base64.b64encode(seccomp_bpf).decode(),
+        },
+        "guard": guard_request(spec),
     }
 
 

@@ -344,7 +344,8 @@ class Runner:
             self.refuse(session_id, exc, command)
             raise
         masks = enforce.scan_masks(ws, policy)
-        for warning in [*masks.warnings, *enforce.advisory_warnings(policy)]:
+        landlock = self.backend.layer2_mode != "gvisor"
+        for warning in [*masks.warnings, *enforce.advisory_warnings(policy, landlock=landlock)]:
             self.progress(warning)
         env.known_secrets.update(
             enforce.history_secrets(
@@ -467,7 +468,7 @@ class Runner:
         env_file = None
         if layer2.env.private:
             env_file = enforce.write_env_file(runtime_dir, ws, layer2.env.private)[1]
-        argv = launcher_argv(layer2.spec(command, env_file))
+        argv = launcher_argv(layer2.spec(command, env_file), ws, backend.layer2_mode)
         spec = self.container_spec(argv, ws, campaign, image, policy, session_id, runtime_dir, kind)
         res = policy.resources
         self.state.add_session(
@@ -633,11 +634,38 @@ class _DiskQuota(Exception):
     pass
 
 
-def launcher_argv(spec: bwrap.BwrapSpec) -> list[str]:
+def launcher_argv(spec: bwrap.BwrapSpec, ws: Workspace | None = None, mode: str = "bwrap") -> list[str]:
     """A one-shot container's command: tini, then sandman's launcher, which opens the guarded
-    workspace paths without following symlinks and becomes bwrap."""
+    workspace paths without following symlinks and becomes bwrap (in gVisor mode: builds the
+    namespaces itself and waits for the command)."""
+    if mode == "gvisor":
+        if ws is None:
+            raise ValueError("gVisor mode needs the workspace's uid and gid")
+        plan = json.dumps(layer2_request(spec, ws, mode))
+        return [TINI, "--", "python3", "-I", "-S", SUPERVISOR, "--gvisor", "--launch", plan]
     request = {"argv": bwrap.bwrap_argv(spec), "guard": bwrap.guard_request(spec), "env": {}}
     return [TINI, "--", "python3", "-I", "-S", SUPERVISOR, "--launch", json.dumps(request)]
+
+
+def layer2_request(spec: bwrap.BwrapSpec, ws: Workspace, mode: str) -> dict[str, Any]:
+    """What the supervisor needs to start one command: bubblewrap's argv and the guard, or (a
+    backend whose ``layer2_mode`` is "gvisor") the namespace plan."""
+    if mode == "gvisor":
+        bpf = exec_filter("SANDMAN_EXEC_ALLOW" in spec.env)
+        return bwrap.supervisor_plan(spec, ws.uid, ws.gid, seccomp_bpf=bpf, root_tag=secrets.token_hex(8))
+    return {"argv": bwrap.bwrap_argv(spec), "guard": bwrap.guard_request(spec)}
+
+
+@functools.lru_cache(maxsize=2)
+def exec_filter(exec_allowlist: bool) -> bytes:
+    """The compiled (classic BPF) layer-2 seccomp filter of gVisor mode (``seccomp.exec_profile``),
+    compiled with libseccomp like the local backend's; an error here refuses the start."""
+    from sandman.backends import local_seccomp
+
+    try:
+        return local_seccomp.compile_profile(seccomp.exec_profile(exec_allowlist))
+    except (ImportError, ValueError, OSError) as exc:
+        raise SandboxError(f"cannot compile the gVisor exec filter with libseccomp: {exc}") from None
 
 
 IDLE_RELEASE_S = 0.05

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 from sandman import backends
 from sandman.backends.base import Backend, ContainerSpec, state_id_for
 from sandman.backends.causes import CgroupWatch, OutputCap
-from sandman.core import bwrap
 from sandman.core.files import Files
 from sandman.core.protocol import HEADER, recv_exact
 from sandman.core.quota import DiskWatch
@@ -41,6 +40,7 @@ from sandman.core.runner import (
     ExitCause,
     Runner,
     classify_end,
+    layer2_request,
     make_runtime_dir,
     new_session_id,
     process_start,
@@ -226,6 +226,8 @@ class Sandbox:
             "--socket",
             f"/run/sandman/{CONTROL_DIR}/{CONTROL_SOCK}",
         ]
+        if self.backend.layer2_mode == "gvisor":
+            command += ["--gvisor", f"{self.workspace.uid}:{self.workspace.gid}"]
         if res.idle_timeout_s:
             command += ["--idle", str(res.idle_timeout_s)]
         if res.session_timeout_s:
@@ -292,7 +294,7 @@ class Sandbox:
             raise
         rec.state = SessionState.RUNNING.value
         self.state.update_session(session_id, state=rec.state)
-        for warning in enforce.advisory_warnings(self.policy):
+        for warning in enforce.advisory_warnings(self.policy, landlock=self.backend.layer2_mode != "gvisor"):
             self._runner.progress(warning)
             self.state.audit(session_id, "policy.advisory", "warning", reason=warning)
         self.state.audit(
@@ -531,8 +533,7 @@ class Sandbox:
         spec = plan.spec(argv, env_file_in_container, private)
         request: dict[str, Any] = {
             "op": "exec",
-            "argv": bwrap.bwrap_argv(spec),
-            "guard": bwrap.guard_request(spec),
+            **layer2_request(spec, self.workspace, self.backend.layer2_mode),
             "mkdirs": list(private or ()),
             "env": {},
             "timeout": timeout,

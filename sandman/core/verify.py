@@ -21,6 +21,7 @@ are the workspace (its mount root is the host workspace path), the session's upc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -68,6 +69,7 @@ class ProbeResult:
     control_observed: str = ""
     control_passed: bool = True
     seconds: float = 0.0
+    not_applicable: str = ""  # on this backend, why the probe or its control cannot apply
 
     @property
     def ok(self) -> bool:
@@ -169,6 +171,32 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
 
 PROBE_NAMES: tuple[str, ...] = tuple(verify_probes.PROBES)
 
+# Per layer-2 mode (``Backend.layer2_mode``): probe parts that cannot apply there, and why. The
+# other part must still pass; the row says "not applicable" with the reason (never a silent pass).
+NOT_APPLICABLE: dict[str, dict[str, tuple[str, str]]] = {
+    "gvisor": {
+        "no_new_privs": (
+            "probe",
+            "gVisor's /proc/self/status has no NoNewPrivs line; the control, prctl(PR_GET_NO_NEW_PRIVS) = 1, "
+            "is the check here",
+        ),
+        "cgroup_mount": (
+            "control",
+            "the exec's seccomp filter refuses every mount(2) with EPERM before gVisor's kernel looks at its "
+            "arguments, so no mount can reach the kernel to show the refusals are its own",
+        ),
+        "cgroup_files": (
+            "control",
+            "gVisor mounts no cgroup filesystem in the sandbox: there are no files to open read-only either",
+        ),
+        "tiocsti": (
+            "control",
+            "this gVisor does not implement TIOCSTI (ENOTTY on every terminal, its own pty included): there "
+            "is nothing to inject with, so the control cannot succeed",
+        ),
+    },
+}
+
 
 def host_secrets_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Host variables that look like credentials (by name), long enough to search for."""
@@ -233,6 +261,8 @@ def run_battery(
             "host_addresses": sandbox.backend.host_addresses(),
             "backend": sandbox.backend.name,
             "host_workspace": str(sandbox.workspace.path),
+            "layer2": sandbox.backend.layer2_mode,
+            "init_comm": "sandman-init" if sandbox.backend.layer2_mode == "gvisor" else "bwrap",
             "host_upcall": str(upcall_socket(sandbox.record.runtime_dir).parent),
             "salt": salt,
             # Never the values: an agent sharing the session could read the probe's memory.
@@ -246,6 +276,7 @@ def run_battery(
         if line.startswith(MARKER):
             raw = json.loads(line[len(MARKER) :])
     rows = []
+    skip = NOT_APPLICABLE.get(sandbox.backend.layer2_mode, {})
     for name in names:
         expected, control = DESCRIPTIONS[name]
         got = raw.get(name)
@@ -263,18 +294,29 @@ def run_battery(
                 )
             )
             continue
-        rows.append(
-            ProbeResult(
-                name,
-                expected,
-                str(got["observed"]),
-                bool(got["passed"]),
-                control,
-                str(got["control_observed"]),
-                bool(got["control_passed"]),
-                float(got.get("seconds", 0.0)),
-            )
+        row = ProbeResult(
+            name,
+            expected,
+            str(got["observed"]),
+            bool(got["passed"]),
+            control,
+            str(got["control_observed"]),
+            bool(got["control_passed"]),
+            float(got.get("seconds", 0.0)),
         )
+        if name in skip:
+            part, why = skip[name]
+            mode = sandbox.backend.layer2_mode
+            note = f"not applicable on {mode}: {why} (observed: "
+            if part == "probe":  # the control alone decides, and must pass
+                row = dataclasses.replace(
+                    row, observed=note + row.observed + ")", passed=row.control_passed, not_applicable=why
+                )
+            else:  # the probe alone decides, and must pass
+                row = dataclasses.replace(
+                    row, control_observed=note + row.control_observed + ")", control_passed=True, not_applicable=why
+                )
+        rows.append(row)
     return rows
 
 
@@ -283,6 +325,8 @@ def format_rows(rows: list[ProbeResult]) -> str:
     out = []
     for r in rows:
         verdict = "PASS" if r.ok else ("FAIL" if r.control_passed else "NOT MEANINGFUL (control failed)")
+        if r.ok and r.not_applicable:
+            verdict = "PASS (part not applicable on this backend)"
         out.append(
             f"[{verdict}] {r.name}\n  expected: {r.expected}\n  observed: {r.observed}\n"
             f"  control:  {r.control}\n  control observed: {r.control_observed}"

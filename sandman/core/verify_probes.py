@@ -220,7 +220,10 @@ def probe_identity(p: dict[str, Any]) -> Outcome:
 def probe_capabilities(p: dict[str, Any]) -> Outcome:
     st = status_fields()
     sets = {k: st.get(k, "?") for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")}
-    ok = all(v != "?" and int(v, 16) == 0 for v in sets.values())
+    if sets["CapAmb"] == "?":  # gVisor's status has no CapAmb line: ask for every capability
+        ambient = [c for c in range(64) if _libc.prctl(47, 1, c, 0, 0) == 1]  # PR_CAP_AMBIENT_IS_SET
+        sets["CapAmb"] = f"{sum(1 << c for c in ambient):016x} (no status line: prctl)"
+    ok = all(v != "?" and int(v.split()[0], 16) == 0 for v in sets.values())
     # Control: capget(2) reports the same (zero) effective/permitted/inheritable sets.
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
     data = (ctypes.c_uint32 * 6)()
@@ -237,7 +240,7 @@ def probe_capabilities(p: dict[str, Any]) -> Outcome:
 
 
 def probe_no_new_privs(p: dict[str, Any]) -> Outcome:
-    value = status_fields()["NoNewPrivs"]
+    value = status_fields().get("NoNewPrivs", "(no status line)")
     got = _libc.prctl(39, 0, 0, 0, 0)  # PR_GET_NO_NEW_PRIVS
     return f"NoNewPrivs {value}", value == "1", f"prctl(PR_GET_NO_NEW_PRIVS) = {got}", got == 1
 
@@ -284,8 +287,9 @@ def probe_setuid(p: dict[str, Any]) -> Outcome:
         if wait_exec(proc.pid, "cat"):
             ctl_line = _uid_line(proc.pid)
     # Host root appears as the overflow uid inside bwrap's user namespace.
-    with open("/proc/sys/kernel/overflowuid") as f:
-        root_ids = {0, int(f.read())}
+    root_ids = {0}
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/overflowuid") as f:
+        root_ids.add(int(f.read()))
     return (
         f"{target} (mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}) ran as "
         + ("; ".join(seen) if seen else "(never observed running)"),
@@ -412,8 +416,8 @@ def probe_process_visibility(p: dict[str, Any]) -> Outcome:
         tree = _proc_tree()
     strangers = []
     for pid, (_ppid, comm, argv0) in sorted(tree.items()):
-        if pid == 1:  # bwrap's init, or the agent itself under bwrap --as-pid-1
-            if comm != "bwrap" and me != 1:
+        if pid == 1:  # bwrap's init (sandman's in gVisor mode), or the agent itself as pid 1
+            if comm != p.get("init_comm", "bwrap") and me != 1:
                 strangers.append(f"1:{comm}")
             continue
         cur, hops = pid, 0
@@ -453,7 +457,14 @@ def _ptrace_attach(pid: int) -> tuple[int, int, str]:
 
 def probe_ptrace_pid1(p: dict[str, Any]) -> Outcome:
     st = status_fields(1)
-    same_ns = all(os.readlink(f"/proc/1/ns/{n}") == os.readlink(f"/proc/self/ns/{n}") for n in ("user", "pid"))
+
+    def link(path: str) -> str:
+        try:
+            return os.readlink(path)
+        except OSError as exc:
+            return f"unreadable ({ename(exc.errno or 0)})"
+
+    same_ns = all(link(f"/proc/1/ns/{n}") == link(f"/proc/self/ns/{n}") for n in ("user", "pid"))
     fds = []
     with contextlib.suppress(OSError):
         for fd in sorted(os.listdir("/proc/1/fd"), key=int):
@@ -470,7 +481,7 @@ def probe_ptrace_pid1(p: dict[str, Any]) -> Outcome:
         f"PTRACE_ATTACH(1) = {ret}{', errno ' + ename(err) if ret else ''}{'; ' + note if note else ''}"
         f" [pid 1 is {who}, Uid {uid}, CapEff {st.get('CapEff')}, "
         f"{'same' if same_ns else 'different'} user/pid namespace as the agent, fds {' '.join(fds) or '-'}, "
-        f"root {os.readlink('/proc/1/root')}; /proc/1/mem O_RDWR: {mem}]",
+        f"root {link('/proc/1/root')}; /proc/1/mem O_RDWR: {mem}]",
         # bwrap's init is inside the agent's layer: tracing it is only safe because it holds nothing
         # the agent lacks (same uid, no capabilities, the same user and pid namespaces).
         ret == -1 or (same_ns and st.get("CapEff", "").strip("0") == "" and "0" not in uid.split()),
@@ -849,10 +860,58 @@ def mount_violations(
     return bad
 
 
+# gVisor mode: the supervisor binds bwrap's layout into a root of its own; host mounts are 9p
+# (gofer) mounts, whose root is the path inside the container mount they were bound from.
+GVISOR_9P_ROOTS = {
+    "/": ("/skel",), "/usr": ("/usr",), "/etc": ("/etc",), TRUSTED_DIR: ("/",), "/workspace": ("/",),
+    UPCALL_DIR: ("/upcall",), "/opt/sandman/tools": ("/", "/opt/sandman/tools"),
+    "/etc/hosts": ("/",), "/etc/hostname": ("/",), "/etc/resolv.conf": ("/",),
+}  # fmt: skip
+GVISOR_FS = frozenset({"9p", "tmpfs", "proc", "sysfs", "devpts"})
+
+
+def gvisor_mount_violations(mounts: list[dict[str, str]]) -> list[str]:
+    """The rules in gVisor mode: bwrap's mount points only, host (9p) mounts only where layer 2
+    binds them and from where it binds them, "/" read-only, writable only the scratch places and
+    the workspace (and pinned paths in it)."""
+    bad = []
+    for m in mounts:
+        point, fstype, root = m["point"], m["fstype"], m["root"]
+        ro = "ro" in m["opts"].split(",")
+        where = f"{point} ({fstype} {root})"
+        in_ws = point.startswith("/workspace/")
+        if point not in MOUNT_POINTS and not point.startswith(MOUNT_PREFIXES) and not in_ws:
+            bad.append(f"unexpected mount point {where}")
+        if fstype not in GVISOR_FS:
+            bad.append(f"unexpected filesystem {where}")
+        if fstype == "9p" and not in_ws and root not in GVISOR_9P_ROOTS.get(point, ()):
+            bad.append(f"host path {where}")
+        if not ro and (point == "/" or (point not in RW_MOUNTS and not point.startswith(("/dev/", "/workspace/")))):
+            bad.append(f"writable {where}")
+    return bad
+
+
 def probe_mountinfo(p: dict[str, Any]) -> Outcome:
     with open("/proc/self/mountinfo") as f:
         mounts = parse_mountinfo(f.read())
     host_ws, host_upcall = str(p["host_workspace"]), str(p.get("host_upcall", ""))
+    if p.get("layer2") == "gvisor":
+        bad = gvisor_mount_violations(mounts)
+        ws = [m for m in mounts if m["point"] == "/workspace"]
+        synthetic = parse_mountinfo(
+            "900 1 0:90 / /var/lib/docker rw - 9p none rw\n"
+            "901 1 0:91 / /home/agent/host ro - ext4 /dev/vda ro\n"
+            "902 1 0:92 /control /run/sandman/control rw - 9p none rw\n"
+        )
+        flagged = gvisor_mount_violations(mounts + synthetic)
+        return (
+            f"{len(mounts)} mounts (gVisor: host mounts are 9p, checked by mount point and root); "
+            f"violations: {'; '.join(bad) or 'none'}",
+            not bad and len(ws) == 1,
+            "the rules flag a synthetic 9p /var/lib/docker, an ext4 mount and the control dir: "
+            f"{len(flagged) - len(bad)} new findings; the workspace mount is found: {bool(ws)}",
+            len(flagged) - len(bad) >= 3 and len(ws) == 1,
+        )
     backend = str(p.get("backend", "docker"))
     bad = mount_violations(mounts, host_ws, host_upcall, backend)
     ws = [m for m in mounts if m["point"] == "/workspace"]

@@ -453,8 +453,14 @@ def landlock_abi() -> int:
     return max(version, 0)
 
 
-def advisory_warnings(policy: Policy) -> list[str]:
-    """What of the policy this host cannot enforce, said at every start (never silently)."""
+def advisory_warnings(policy: Policy, *, landlock: bool = True) -> list[str]:
+    """What of the policy this host cannot enforce, said at every start (never silently).
+    ``landlock``: False where the sandbox's kernel has none whatever the host's (gVisor)."""
+    if policy.commands.allow is not None and not landlock:
+        return [
+            "warning: gVisor has no Landlock, so on this backend the command allowlist is advisory: it is "
+            "checked on the top-level command only, and a shell or interpreter can still start any program"
+        ]
     if policy.commands.allow is not None and landlock_abi() < 1:
         return [
             "warning: this kernel has no Landlock, so the command allowlist is advisory: it is checked on "

@@ -15,6 +15,7 @@ CLONE_NEWUSER = 0x10000000
 # Every CLONE_NEW* flag: a clone without any of them is an ordinary fork/thread.
 CLONE_NAMESPACE_FLAGS = 0x7E020000
 AF_VSOCK = 40
+S_IFMT, S_IFREG, S_IFIFO, S_IFSOCK = 0o170000, 0o100000, 0o010000, 0o140000
 ENOSYS = 38
 EPERM = 1
 EOPNOTSUPP = 95
@@ -154,6 +155,25 @@ def profile_for(exec_allowlist: bool) -> str:
     if not exec_allowlist:
         return resources.seccomp_profile_path().read_text()
     return render(build_profile(exec_allowlist=True))
+
+
+def exec_profile(exec_allowlist: bool) -> dict[str, Any]:
+    """Where sandman's supervisor builds layer 2 itself (the gvisor backend, whose runsc does not
+    enforce the container's profile): the filter each command runs under, loaded by the
+    supervisor right before the exec shim. No relaxation: no user namespaces, no mount."""
+    profile = build_profile(frozenset(Relaxation), exec_allowlist=exec_allowlist)
+    # mknod of FIFOs, sockets and regular files only: gVisor lets an unprivileged process create
+    # device nodes (no CAP_MKNOD check), which the container's kernel would refuse.
+    rules = []
+    for rule in profile["syscalls"]:
+        names = [n for n in rule["names"] if n not in ("mknod", "mknodat")]
+        if names:
+            rules.append({**rule, "names": names})
+    for name, index in (("mknod", 1), ("mknodat", 2)):
+        for kind in (0, S_IFREG, S_IFIFO, S_IFSOCK):
+            rules.append(_allow([name], [_arg(index, S_IFMT, "SCMP_CMP_MASKED_EQ", kind)]))
+    profile["syscalls"] = rules
+    return profile
 
 
 def render(profile: dict[str, Any]) -> str:
