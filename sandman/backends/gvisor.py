@@ -125,6 +125,8 @@ class GVisorBackend(DockerBackend):
                 "/tmp and HOME are capped in size, not in inodes (gVisor ignores nr_inodes).",
                 "This runsc's statx(AT_NO_AUTOMOUNT) fails with EINVAL: coreutils `stat` and `ls PATH` "
                 "(e.g. `ls /sys/class/net`) fail; plain `ls`, find, git and Python's os.stat work.",
+                "POSIX message queues (msgqueue) are gVisor's own kernel objects: they use none of the host "
+                "user's budget, so they are not limited to 0 here.",
             ),
         )
 

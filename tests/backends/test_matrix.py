@@ -230,9 +230,10 @@ def test_posix_message_queues_are_not_a_shared_budget(backend: str) -> None:
     budget from one sandbox): every backend sets RLIMIT_MSGQUEUE to 0. Control: the same probe
     opens a queue on the host."""
     ws = workspace(backend)
-    if caps(backend).notes and any("msgqueue" in n for n in caps(backend).notes):
-        pytest.skip("this backend states it cannot limit message queues")
     res = Runner(backend=backend).run(["python3", "-c", MQ_PROBE], ws, timeout=60, stdout=(out := bytearray()).extend)
+    if "gvisor" in caps(backend).walls:  # the queue is the Sentry's, not the host's: said in its notes
+        assert out.decode().strip() == "opened" and any("msgqueue" in n for n in caps(backend).notes)
+        return
     assert res.exit_code == 0 and out.decode().strip() == "Too many open files", out
     host = subprocess.run([sys.executable, "-c", MQ_PROBE], capture_output=True, text=True, timeout=60)
     assert host.stdout.strip() == "opened", host
