@@ -308,6 +308,19 @@ def enter_namespaces(request: dict) -> tuple[list[str], dict[str, str], int]:
         _mount(libc, str(source), root + str(target), None, MS_BIND)
     _mount(libc, "tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
     ro = MS_RDONLY | MS_NOSUID | MS_NODEV
+    # Only FILES of the workspace are bound on their own. A bind of a workspace DIRECTORY is a
+    # second mount of the workspace's filesystem rooted inside it, and this gVisor lets `..`
+    # climb past a bind's root once a directory under it is renamed away (a red-team round read
+    # a masked .env that way, through the pinned .git): pinned and read-only directories are
+    # not applied here (files are), and the host says so in the backend's notes.
+    skipped = {rel for rel, _kind, want in bound if stat.S_ISDIR(want[2])}
+    bound = [b for b in bound if b[0] not in skipped]
+    if skipped:
+        guard_text = "".join(
+            line + "\n"
+            for line in guard_text.splitlines()
+            if os.fsdecode(bytes.fromhex(line.split(" ")[3])) not in skipped
+        )
     for rel, kind, want in bound:  # pinned (onto itself, read-write), then read-only
         target = f"{root}{workspace}/{rel}"
         source = target if kind == "rw" else f"{ns['workspace_ro']}/{rel}"

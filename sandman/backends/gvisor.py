@@ -23,8 +23,10 @@ What this runsc does differently from runc, measured (see ``capabilities().notes
 - ``PidsLimit`` counts the Sentry's host threads (about 66 idle, about 8 per guest process): the
   cap is scaled, and RLIMIT_NPROC (which gVisor counts per sandbox) is the agent's process cap.
 - An OOM kills the whole sandbox (a session ends); ``docker update`` fails (no ``runsc update``);
-  tmpfs ``nr_inodes`` is ignored; MS_RDONLY on a bind is ignored (read-only binds come from a
-  read-only view of the workspace instead); ``statx(AT_NO_AUTOMOUNT)`` is EINVAL, so coreutils
+  tmpfs ``nr_inodes`` is ignored; MS_RDONLY on a bind is ignored (read-only file binds come from
+  a read-only view of the workspace instead); a bind of a workspace directory is never made,
+  because this gVisor lets ``..`` climb past a bind's root once a directory under it is renamed
+  away (red team: a masked .env read through the pinned .git); ``statx(AT_NO_AUTOMOUNT)`` is EINVAL, so coreutils
   ``ls PATH`` and ``stat`` fail.
 """
 
@@ -112,8 +114,11 @@ class GVisorBackend(DockerBackend):
                 "every command runs under sandman's layer-2 profile (no user namespaces, no mount), which the "
                 "supervisor loads and gVisor's kernel enforces.",
                 "gVisor's /proc/self/status has no NoNewPrivs line (prctl(PR_GET_NO_NEW_PRIVS) is 1).",
-                "Read-only workspace paths are bound from a read-only view of the workspace (this gVisor "
-                "ignores MS_RDONLY on a bind; a bind keeps its source mount's flag).",
+                "Read-only workspace FILES are bound from a read-only view of the workspace (this gVisor "
+                "ignores MS_RDONLY on a bind); read-only and pinned workspace DIRECTORIES (.git, .git/hooks, "
+                ".sandman, ...) are not applied: a bind of a workspace directory lets this gVisor's `..` climb "
+                "past the bind's root into an unmasked view of the workspace. What the agent changes there is "
+                "still caught by the host after the session (poisoning check, campaign acceptance).",
                 "This gVisor's mount namespaces share one mount table: each exec is chrooted into a root of "
                 "its own (detached when it ends), so execs never see each other's mounts at their paths.",
                 "memory: an OOM kills the whole sandbox, so a session ends with the command.",

@@ -211,3 +211,56 @@ def test_another_execs_env_file_is_out_of_reach(sb: Sandbox) -> None:
     assert got == {"hits": [], "env_dir": False}, got
     assert (ws / "own-b").read_text().strip() == PASS_VALUE  # control: the exec itself has it
     thread.join(30)
+
+
+def test_a_renamed_directory_under_a_bind_never_reaches_the_unmasked_workspace(sb: Sandbox) -> None:
+    """A red-team round read a masked .env on gvisor: exec B (started before .git existed)
+    made .git/x/y; exec A (started after, so .git was bound onto itself) sat in .git/x/y; B
+    renamed .git/x away, and this gVisor let A's `..` climb past the bind's root to the
+    workspace's root inside that second mount, where no mask was. Now no workspace directory
+    is bound on its own: A climbs into the ordinary, masked workspace. Control: the same climb
+    reads an ordinary file."""
+    ws = sb.workspace.path
+    for name in ("b_made", "a_ready", "b_done"):
+        (ws / name).unlink(missing_ok=True)
+    b_result: list[ExecResult] = []
+    b = threading.Thread(
+        target=lambda: b_result.append(
+            sb.exec(
+                [
+                    "sh",
+                    "-c",
+                    "mkdir -p .git/x/y && touch b_made && "
+                    "i=0; while [ ! -e a_ready ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; "
+                    "mv .git/x x_out && touch b_done",
+                ],
+                timeout=90,
+            )
+        )
+    )
+    b.start()
+    deadline = time.monotonic() + 60
+    while not (ws / "b_made").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (ws / "b_made").exists()
+    a = py(
+        sb,
+        "import os, time, json\n"
+        "os.chdir('.git/x/y'); open('/workspace/a_ready', 'w').close()\n"
+        "t = time.time()\n"
+        "while not os.path.exists('/workspace/b_done') and time.time() - t < 60: time.sleep(0.05)\n"
+        "os.chdir('..'); os.chdir('..')\n"
+        "def rd(n):\n"
+        "    try: return open(n).read()\n"
+        "    except OSError as e: return 'ERR ' + e.strerror\n"
+        "print(json.dumps({'env': rd('.env'), 'notes': rd('notes.txt'), 'where': sorted(os.listdir('.'))[:20]}))\n",
+        timeout=90,
+    )
+    b.join(90)
+    assert b_result and b_result[0].exit_code == 0, b_result
+    assert "attack-secret" not in a["env"], a  # the attack: the masked secret stays masked
+    assert a["notes"].startswith("plain\n"), a  # control: the climb reached the workspace and reads files
+    for p in (ws / "x_out", ws / ".git"):
+        import shutil
+
+        shutil.rmtree(p, ignore_errors=True)
