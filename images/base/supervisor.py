@@ -498,6 +498,7 @@ class Exec:
             finally:
                 os._exit(code)
         self.pid = pid
+        self.pty_fd = out_r if tty else -1
         for fd in (in_r, out_w, err_w):
             os.close(fd)
         self.stdin_fd = in_w
@@ -589,8 +590,32 @@ class Exec:
             return
         self.sup.sel.unregister(fd)
         os.close(fd)
+        if fd == self.pty_fd:
+            self.pty_fd = -1
         self.open_streams -= 1
         self.maybe_finish()
+
+    def drain_pty(self) -> None:
+        """gVisor never reports EOF (nor EIO) on a pty's master once the shell is gone: with the
+        command reaped, send what the pty still holds and close it, so the exec finishes (its
+        root and private dirs are released, and the session's idle clock runs again)."""
+        fd, self.pty_fd = self.pty_fd, -1
+        if fd < 0:
+            return
+        while True:
+            try:
+                data = os.read(fd, READ_CHUNK)
+            except OSError:  # BlockingIOError: nothing left; EIO: gone
+                break
+            if not data:
+                break
+            self.send(b"o", data)
+        try:
+            self.sup.sel.unregister(fd)
+        except (KeyError, ValueError):
+            return  # already closed by on_pipe
+        os.close(fd)
+        self.open_streams -= 1
 
     def maybe_finish(self) -> None:
         if self.status is None or self.open_streams:
@@ -788,6 +813,8 @@ class Supervisor:
             ex = self.execs.get(pid)
             if ex is not None:
                 ex.status = status
+                if self.gvisor is not None:
+                    ex.drain_pty()
                 ex.maybe_finish()
 
     def check_timers(self) -> float | None:

@@ -264,3 +264,21 @@ def test_a_renamed_directory_under_a_bind_never_reaches_the_unmasked_workspace(s
         import shutil
 
         shutil.rmtree(p, ignore_errors=True)
+
+
+def test_a_terminal_exec_finishes_when_its_shell_exits(sb: Sandbox) -> None:
+    """A red-team round found `session shell` execs never finished under gVisor (no EOF on the
+    pty's master): each leaked its root and private dirs and stopped the idle clock. The exec
+    now ends when its command is reaped, with its output delivered; the supervisor's ping shows
+    no exec left. Control: a pipe exec finishes the same way."""
+    res = None
+    for item in sb.stream(["sh", "-c", "echo from-the-pty; exit 3"], tty=(24, 80), timeout=30):
+        if isinstance(item, ExecResult):
+            res = item
+    assert res is not None and res.exit_code == 3 and b"from-the-pty" in res.stdout, res
+    control = sb.exec(["sh", "-c", "echo from-a-pipe; exit 4"], timeout=30)
+    assert control.exit_code == 4 and control.stdout == b"from-a-pipe\n"
+    deadline = time.monotonic() + 10
+    while (execs := sb._control({"op": "ping"}).get("execs")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not execs, execs
