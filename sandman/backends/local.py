@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,17 +154,28 @@ def outer_argv(spec: ContainerSpec, etc_dir: str, *, die_with_parent: bool, tool
     return argv
 
 
-def make_etc(root: Path, uid: int, gid: int) -> Path:
-    """A minimal /etc for one uid: passwd and group naming the agent, loopback hosts, and the
-    few host files programs need to start (the loader's cache, alternatives, time zone)."""
-    key = hashlib.sha256(f"{uid}:{gid}".encode() + b"".join(_etc_fingerprint())).hexdigest()[:16]
-    path = root / f"etc-{key}"
+def publish_dir(root: Path, prefix: str, key: str, fill: Callable[[Path], None]) -> Path:
+    """``root/prefix-key``, made once per content: filled in a private temporary dir, then
+    renamed into place (a concurrent maker's rename wins and ours is dropped), 0755."""
+    path = root / f"{prefix}-{key}"
     if path.is_dir() and not path.is_symlink():
         return path
     root.mkdir(parents=True, exist_ok=True, mode=0o711)
-    tmp = root / f".etc-{os.getpid()}-{threading.get_ident()}"
+    tmp = root / f".{prefix}-{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o755)
+    tmp.chmod(0o755)  # whatever the umask said
+    fill(tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def make_etc(root: Path, uid: int, gid: int) -> Path:
+    """A minimal /etc for one uid: passwd and group naming the agent, loopback hosts, and the
+    few host files programs need to start (the loader's cache, alternatives, time zone)."""
     files = {
         "passwd": f"root:x:0:0:root:/root:/bin/sh\nagent:x:{uid}:{gid}:agent:{HOME}:/bin/sh\n"
         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
@@ -174,22 +185,22 @@ def make_etc(root: Path, uid: int, gid: int) -> Path:
         "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n",
         "resolv.conf": "",
     }
-    for name, text in files.items():
-        (tmp / name).write_text(text)
-        (tmp / name).chmod(0o644)
-    for name in ETC_COPY:
-        src = Path("/etc") / name
-        if src.is_symlink():
-            os.symlink(os.readlink(src), tmp / name)
-        elif src.is_dir():
-            shutil.copytree(src, tmp / name, symlinks=True)
-        elif src.is_file():
-            shutil.copy2(src, tmp / name)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process made it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    def fill(tmp: Path) -> None:
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+            (tmp / name).chmod(0o644)
+        for name in ETC_COPY:
+            src = Path("/etc") / name
+            if src.is_symlink():
+                os.symlink(os.readlink(src), tmp / name)
+            elif src.is_dir():
+                shutil.copytree(src, tmp / name, symlinks=True)
+            elif src.is_file():
+                shutil.copy2(src, tmp / name)
+
+    key = hashlib.sha256(f"{uid}:{gid}".encode() + b"".join(_etc_fingerprint())).hexdigest()[:16]
+    return publish_dir(root, "etc", key, fill)
 
 
 TOOLS = ("sandman-upcall", "gh")
@@ -200,23 +211,16 @@ def make_tools(root: Path) -> Path:
     from sandman import resources
 
     blobs = {name: (resources.images_dir() / "base" / name).read_bytes() for name in TOOLS}
+
+    def fill(tmp: Path) -> None:
+        (tmp / "bin").mkdir(mode=0o755)
+        (tmp / "bin").chmod(0o755)
+        for name, blob in blobs.items():
+            (tmp / "bin" / name).write_bytes(blob)
+            (tmp / "bin" / name).chmod(0o755)
+
     key = hashlib.sha256(b"".join(n.encode() + b"\0" + b for n, b in sorted(blobs.items()))).hexdigest()[:16]
-    path = root / f"tools-{key}"
-    if path.is_dir() and not path.is_symlink():
-        return path
-    root.mkdir(parents=True, exist_ok=True, mode=0o711)
-    tmp = root / f".tools-{os.getpid()}-{threading.get_ident()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "bin").mkdir(parents=True, mode=0o755)
-    tmp.chmod(0o755)
-    for name, blob in blobs.items():
-        (tmp / "bin" / name).write_bytes(blob)
-        (tmp / "bin" / name).chmod(0o755)
-    try:
-        os.rename(tmp, path)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return publish_dir(root, "tools", key, fill)
 
 
 def _etc_fingerprint() -> list[bytes]:
