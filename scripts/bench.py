@@ -61,6 +61,28 @@ def summary(samples: list[float]) -> dict[str, float]:
     }
 
 
+def private_env(tmp: Path) -> dict[str, str]:
+    """The benchmark's own state and runtime dirs under ``tmp`` (and so its own controller)."""
+    return {
+        **os.environ,
+        "SANDMAN_RUNTIME_DIR": str(tmp / "run"),
+        "SANDMAN_STATE_DIR": str(tmp / "state"),
+        "SANDMAN_CONTROLLER_IDLE_S": "60",
+    }
+
+
+def stop_controller(tmp: Path) -> None:
+    """Shut down the controller that ``private_env(tmp)`` made."""
+    import socket
+
+    sock = next((tmp / "run").glob("controller-*.sock"), None)
+    if sock:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(sock))
+            s.sendall(b'{"op": "shutdown"}\n')
+            s.recv(64)
+
+
 def workspace(base: Path) -> Path:
     ws = base / "ws"
     ws.mkdir()
@@ -322,12 +344,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sandman-bench-") as tmp_s:
         tmp = Path(tmp_s)
         os.chmod(tmp, 0o755)
-        env = {
-            **os.environ,
-            "SANDMAN_RUNTIME_DIR": str(tmp / "run"),
-            "SANDMAN_STATE_DIR": str(tmp / "state"),
-            "SANDMAN_CONTROLLER_IDLE_S": "60",
-        }
+        env = private_env(tmp)
         ws = workspace(tmp)
         image = agent_image(env, ws)
         results: dict[str, object] = {"image": image, "runs": ns.runs}
@@ -390,14 +407,7 @@ def main() -> int:
             f"concurrent {co['succeeded']}/{co['sessions']} sessions ok in {co['wall_s']}s "
             f"({co['sessions_per_s']} sessions/s), bench process max RSS {co['max_rss_mb']} MB"
         )
-        sock = next((tmp / "run").glob("controller-*.sock"), None)
-        if sock:
-            import socket
-
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(sock))
-                s.sendall(b'{"op": "shutdown"}\n')
-                s.recv(64)
+        stop_controller(tmp)
     ns.json.parent.mkdir(parents=True, exist_ok=True)
     ns.json.write_text(json.dumps(results, indent=2) + "\n")
     print(f"bench: results in {ns.json}", file=sys.stderr)

@@ -225,6 +225,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(names: list[str], runs: int, out_dir: Path) -> int:
+    from bench import private_env, stop_controller  # scripts/ is on the path: bench.py runs us
+
     from sandman import backends
 
     chosen = backends.names() if names == ["all"] else names
@@ -234,12 +236,7 @@ def main(names: list[str], runs: int, out_dir: Path) -> int:
     with tempfile.TemporaryDirectory(prefix="sandman-bench-backends-") as tmp_s:
         tmp = Path(tmp_s)
         os.chmod(tmp, 0o755)
-        env = {
-            **os.environ,
-            "SANDMAN_RUNTIME_DIR": str(tmp / "run"),
-            "SANDMAN_STATE_DIR": str(tmp / "state"),
-            "SANDMAN_CONTROLLER_IDLE_S": "60",
-        }
+        env = private_env(tmp)
         os.environ.update({k: env[k] for k in ("SANDMAN_RUNTIME_DIR", "SANDMAN_STATE_DIR")})
         for n in chosen:
             print(f"bench: backend {n}, {runs} runs", file=sys.stderr)
@@ -253,14 +250,7 @@ def main(names: list[str], runs: int, out_dir: Path) -> int:
                 )
             else:
                 print(f"{n:<16} unavailable: {r['reason']}")
-        sock = next((tmp / "run").glob("controller-*.sock"), None)
-        if sock:
-            import socket
-
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(sock))
-                s.sendall(b'{"op": "shutdown"}\n')
-                s.recv(64)
+        stop_controller(tmp)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "backends.json").write_text(json.dumps(results, indent=2) + "\n")
     (out_dir / "backends.md").write_text(table(results))
